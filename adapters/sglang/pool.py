@@ -1,0 +1,94 @@
+"""SGLang KV pool whose per-layer buffers are vattn's virtually contiguous row views.
+
+SGLang addresses KV by a flat token index (``out_cache_loc``, ``req_to_token``). Here token ``t``
+of the request held in vattn slot ``s`` has index ``s * C + t`` with ``C = layout.rows_per_slot``,
+so the flattened rows view ``cache.k_rows(layer)`` *is* SGLang's ``k_buffer[layer]`` and the
+stock ``set_kv_buffer`` / store kernels keep working unchanged. Slot 0 is held for the pool's
+lifetime: its first row absorbs SGLang's padded/dummy writes to index 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+from vattn.core import KVCacheConfig, VirtualKVCache
+from vattn.core.errors import ConfigError, UnsupportedError
+
+#: Slot reserved for SGLang's padding index 0.
+PAD_SLOT = 0
+
+
+def make_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               max_requests: int, max_context: int, device: str, group_size: int = 1,
+               page_budget=0.9, map_ahead_tokens: int = 0) -> VirtualKVCache:
+    """Build the :class:`VirtualKVCache` behind a pool: ``max_requests`` slots plus the pad slot."""
+    cfg = KVCacheConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        dtype=dtype, max_slots=max_requests + 1, max_context=max_context,
+                        group_size=group_size, page_budget=page_budget, device=device,
+                        map_ahead_tokens=map_ahead_tokens)
+    return VirtualKVCache(cfg)
+
+
+class VattnMHATokenToKVPool(MHATokenToKVPool):
+    """``MHATokenToKVPool`` over a :class:`VirtualKVCache` (no KV tensors allocated here).
+
+    Parameters
+    ----------
+    cache : VirtualKVCache
+        Supplies ``k_rows(layer)`` / ``v_rows(layer)``: ``[max_slots * C, H, D]`` strided views.
+    page_size : int
+        SGLang's page size; only 1 is supported (vattn pages are physical, not logical).
+    enable_memory_saver, start_layer, end_layer, **kwargs
+        Passed to ``MHATokenToKVPool``; head count/dim, dtype, layers and device come from
+        ``cache.config``.
+    """
+
+    def __init__(self, cache: VirtualKVCache, *, page_size: int = 1,
+                 enable_memory_saver: bool = False, **kwargs):
+        if page_size != 1:
+            raise UnsupportedError(f"vattn pool needs page_size=1, got {page_size}")
+        cfg = cache.config
+        self.vattn_cache = cache
+        self.rows_per_slot = cache.layout.rows_per_slot
+        self._hold_pad_slot(cache)
+        size = cfg.max_slots * self.rows_per_slot - page_size
+        super().__init__(size=size, page_size=page_size, dtype=cfg.dtype,
+                         head_num=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                         layer_num=cfg.num_layers, device=str(cfg.torch_device),
+                         enable_memory_saver=enable_memory_saver, enable_alt_stream=False,
+                         **kwargs)
+
+    @staticmethod
+    def _hold_pad_slot(cache: VirtualKVCache) -> None:
+        slot = cache.acquire(tenant="__pad__", expected_len=1)
+        if slot != PAD_SLOT:
+            cache.release(slot)
+            raise ConfigError(f"vattn pool needs a fresh cache (pad slot expected {PAD_SLOT}, "
+                              f"got {slot})")
+        if cache.ensure({slot: 1}):
+            raise ConfigError("vattn pool: no physical page left for the pad slot")
+
+    def _create_buffers(self):
+        if self.is_quantized_kv_cache:
+            raise UnsupportedError("vattn pool does not support quantized KV caches")
+        if getattr(self, "post_capture_active", False):
+            raise UnsupportedError("vattn pool does not support post-capture KV backing")
+        self.k_scale_buffer = self.v_scale_buffer = None
+        self.dq_k_buffer = self.dq_v_buffer = None
+        cache = self.vattn_cache
+        self.k_buffer = [cache.k_rows(layer) for layer in range(self.layer_num)]
+        self.v_buffer = [cache.v_rows(layer) for layer in range(self.layer_num)]
+        self._kv_buffer_descs = self._build_kv_buffer_descs()
+        self._init_data_ptrs_and_strides()
+
+    def _clear_buffers(self):
+        self.k_buffer = self.v_buffer = None
+
+    def get_kv_size_bytes(self):
+        """Bytes of physical pages currently mapped (not the virtual reservation)."""
+        m = self.vattn_cache.metrics()
+        return m.get("mapped_bytes", 0), 0
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor):
+        raise UnsupportedError("vattn pool does not move KV between slots")

@@ -1,0 +1,156 @@
+"""Conformance runner: transformers continuous batching, ``paged|sdpa`` (stock) vs ``paged|vattn``."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vattn.conformance.protocol import RunResult
+from vattn.core.errors import ConfigError
+
+from .version import check_version
+
+__all__ = ["TransformersRunner"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TransformersRunner:
+    """Runs ``generate_batch`` greedily on the stock paged cache and on vattn.
+
+    Parameters
+    ----------
+    block_size, num_blocks, max_batch_tokens
+        Continuous-batching sizing (explicit: the default sizing is very slow on CPU).
+        ``num_blocks=None`` sizes the pool from the prompts.
+    vattn_options
+        Passed to :func:`vattn.adapters.transformers.enable`.
+    """
+
+    name = "transformers"
+    modes = ("stock", "vattn")
+
+    def __init__(self, *, block_size: int = 32, num_blocks: int | None = None,
+                 max_batch_tokens: int = 512, use_cuda_graph: bool | None = None,
+                 vattn_options: dict | None = None):
+        check_version()
+        self.block_size, self.num_blocks, self.max_batch_tokens = block_size, num_blocks, max_batch_tokens
+        self.use_cuda_graph = use_cuda_graph
+        self.vattn_options = dict(vattn_options or {})
+        self._model, self._model_key = None, None  # loaded once, modes switched in place
+
+    def run(self, mode: str, model_dir: str, prompts: list[list[int]], max_new_tokens: int, *,
+            logprobs: int = 5, device: str = "cpu", dtype: str = "float32",
+            arrival_times: list[float] | None = None) -> RunResult:
+        """See :class:`vattn.conformance.protocol.EngineRunner`; only the chosen token's log-prob is
+        available from transformers' continuous batching (``logprobs`` > 0 asks for it)."""
+        if mode not in self.modes:
+            raise ConfigError(f"mode must be one of {self.modes}, got {mode!r}")
+        from transformers import GenerationConfig
+        model = self._load(mode, model_dir, device, dtype, num_prompts=len(prompts))
+        gen = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)
+        cb = self._cb_config(prompts, max_new_tokens, logprobs=logprobs > 0, device=device)
+        if arrival_times is None:  # warm-up builds the manager and cache outside the timed region
+            model.generate_batch(prompts[:2], generation_config=gen, continuous_batching_config=cb,
+                                 progress_bar=False, warmup=False, persistent_manager=True)
+        _sync(device)
+        start = time.perf_counter()
+        if arrival_times is None:
+            outputs = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
+                                           progress_bar=False, warmup=False, persistent_manager=True)
+            by_index = _order(outputs, prompts)
+            model.destroy_cached_continuous_batching_manager()
+        else:
+            by_index = _generate_arrivals(model, prompts, arrival_times, gen, cb)
+        _sync(device)
+        seconds = time.perf_counter() - start
+        return _result(by_index, prompts, seconds, logprobs > 0, extra={"mode": mode,
+                       "attn_implementation": model.config._attn_implementation})
+
+    def _load(self, mode: str, model_dir: str, device: str, dtype: str, *, num_prompts: int):
+        from transformers import AutoModelForCausalLM
+        if dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        key = (model_dir, str(device), dtype)
+        if self._model_key != key:
+            self._model = None
+            self._model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=_DTYPES[dtype], attn_implementation="paged|sdpa").to(device).eval()
+            self._model_key = key
+        model = self._model
+        if getattr(model, "_cached_continuous_batching_manager", None) is not None:
+            model.destroy_cached_continuous_batching_manager()
+        if mode == "vattn":
+            from . import enable
+            enable(model, **{"max_slots": num_prompts + 1, **self.vattn_options})
+        else:
+            model.set_attn_implementation("paged|sdpa")
+        return model
+
+    def _cb_config(self, prompts, max_new_tokens: int, *, logprobs: bool, device: str):
+        from transformers import ContinuousBatchingConfig
+        num_blocks = self.num_blocks
+        if num_blocks is None:  # room for every request at full length, plus one block each
+            per = [-(-(len(p) + max_new_tokens) // self.block_size) + 1 for p in prompts]
+            num_blocks = sum(per)
+        return ContinuousBatchingConfig(
+            block_size=self.block_size, num_blocks=num_blocks, max_batch_tokens=self.max_batch_tokens,
+            allow_block_sharing=False, return_logprobs=logprobs,
+            use_cuda_graph=False if not str(device).startswith("cuda") else self.use_cuda_graph)
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _order(outputs: dict, prompts: list[list[int]]) -> list:
+    """Request ids ``req_<n>`` increase in submission order; return outputs by prompt index."""
+    ordered = [out for _, out in sorted(outputs.items(), key=lambda kv: int(str(kv[0]).rsplit("_", 1)[-1]))]
+    if len(ordered) != len(prompts):
+        raise ConfigError(f"expected {len(prompts)} outputs, got {len(ordered)}")
+    for i, (out, prompt) in enumerate(zip(ordered, prompts)):
+        if list(out.prompt_ids) != list(prompt):
+            raise ConfigError(f"output {out.request_id} does not belong to prompt {i}")
+    return ordered
+
+
+def _generate_arrivals(model, prompts, arrival_times, gen, cb) -> list:
+    """Submit prompt ``i`` at ``arrival_times[i]`` seconds through the manager API."""
+    if len(arrival_times) != len(prompts):
+        raise ConfigError(f"arrival_times must have {len(prompts)} entries, got {len(arrival_times)}")
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager.start()
+    try:
+        start = time.perf_counter()
+        for i in sorted(range(len(prompts)), key=lambda j: arrival_times[j]):
+            delay = arrival_times[i] - (time.perf_counter() - start)
+            if delay > 0:
+                time.sleep(delay)
+            manager.add_request(prompts[i], request_id=f"req_{i}", max_new_tokens=gen.max_new_tokens)
+        results = {}
+        while len(results) < len(prompts):
+            out = manager.get_result(timeout=60)
+            if out is None:
+                raise ConfigError(f"no result within 60 s ({len(results)}/{len(prompts)} done)")
+            if out.is_finished():
+                results[out.request_id] = out
+    finally:
+        manager.stop(block=True)
+        model.destroy_cached_continuous_batching_manager()
+    return _order(results, prompts)
+
+
+def _result(outputs, prompts, seconds: float, with_logprobs: bool, *, extra: dict) -> RunResult:
+    token_ids = [list(o.generated_tokens) for o in outputs]
+    lps = None
+    if with_logprobs:
+        lps = [[{t: float(lp)} for t, lp in zip(o.generated_tokens, o.logprobs)] for o in outputs]
+    errors = [o.error for o in outputs if o.error]
+    if errors:
+        raise ConfigError(f"{len(errors)} request(s) failed, first: {errors[0]}")
+    return RunResult(token_ids=token_ids, logprobs=lps, seconds=seconds,
+                     num_prompt_tokens=sum(len(p) for p in prompts),
+                     num_generated_tokens=sum(len(t) for t in token_ids), extra=extra)

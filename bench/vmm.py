@@ -1,0 +1,162 @@
+"""``vattn bench vmm``: cost of the VMM calls and of ``ensure()`` on a decode loop's critical path."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from ..core import KVCacheConfig, VirtualKVCache
+from ..core.driver import get_driver
+from .report import command_line, write_section
+
+__all__ = ["add_arguments", "run", "call_latency", "decode_loop"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--pages", type=int, default=256, help="pages per latency measurement")
+    parser.add_argument("--batches", default="1,64,256", help="decode batch sizes")
+    parser.add_argument("--steps", type=int, default=300, help="decode steps per loop")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="simulated GPU time per step")
+    parser.add_argument("--prompt", type=int, default=512, help="mean prompt length of the loop")
+    parser.add_argument("--model-shape", default=None,
+                        help="layers,kv_heads,head_dim,group (default: Llama-3-8B G=4 on CUDA, tiny on CPU)")
+    parser.add_argument("--benchmarks", default="BENCHMARKS.md", help="file to write the section to")
+    parser.add_argument("--json", default=None, help="also write the raw numbers here")
+
+
+def _median_us(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e6 if xs else 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def call_latency(device: str, num_pages: int) -> dict:
+    """Per-page create / map / set-access / unmap / release latency, unbatched and batched."""
+    drv = get_driver(device)
+    page, dev = drv.granularity, torch.device(device)
+    base = drv.reserve(num_pages * page)
+    times: dict[str, list[float]] = {k: [] for k in ("create", "map", "set_access", "unmap", "release")}
+    handles = []
+    for i in range(num_pages):
+        t0 = time.perf_counter(); h = drv.create(page); t1 = time.perf_counter()
+        drv.map(base + i * page, page, h); t2 = time.perf_counter()
+        drv.set_access(base + i * page, page); t3 = time.perf_counter()
+        handles.append(h)
+        times["create"].append(t1 - t0); times["map"].append(t2 - t1); times["set_access"].append(t3 - t2)
+    _sync(dev)
+    for i in range(num_pages):
+        t0 = time.perf_counter(); drv.unmap(base + i * page, page); times["unmap"].append(time.perf_counter() - t0)
+    t_batch = time.perf_counter()
+    for i, h in enumerate(handles):                       # pooled handles, batched access
+        drv.map(base + i * page, page, h)
+    drv.set_access(base, num_pages * page)
+    _sync(dev)
+    t_batch = time.perf_counter() - t_batch
+    for i in range(num_pages):
+        drv.unmap(base + i * page, page)
+    for h in handles:
+        t0 = time.perf_counter(); drv.release(h); times["release"].append(time.perf_counter() - t0)
+    drv.free_va(base, num_pages * page)
+    out = {f"{k}_us": _median_us(v) for k, v in times.items()}
+    unbatched = out["map_us"] + out["set_access_us"]
+    out.update(page_bytes=page, num_pages=num_pages, map_access_unbatched_us=unbatched,
+               map_access_batched_us=t_batch / num_pages * 1e6,
+               map_gbps_unbatched=page / (unbatched * 1e-6) / 1e9,
+               map_gbps_batched=page / (t_batch / num_pages) / 1e9)
+    return out
+
+
+def _shape(args) -> tuple[int, int, int, int]:
+    if args.model_shape:
+        return tuple(int(x) for x in args.model_shape.split(","))
+    return (32, 8, 128, 4) if args.device.startswith("cuda") else (4, 2, 64, 2)
+
+
+def decode_loop(args, batch: int, *, map_ahead: int) -> dict:
+    """Simulated decode: every step each running slot grows by one token; GPU time is a sleep.
+
+    Returns ensure()'s time per step (the critical path), on-demand vs ahead mapped pages.
+    """
+    layers, heads, dim, group = _shape(args)
+    rng = random.Random(0)
+    prompts = [max(1, int(rng.expovariate(1 / args.prompt))) for _ in range(batch)]
+    max_ctx = max(prompts) + args.steps + 1
+    page = 2 << 20
+    sets = sum(-(-(p + args.steps + map_ahead + 1) * group * 2 * heads * dim * 2 // page) + 1 for p in prompts)
+    budget = (sets + 1) * page * (layers // group)
+    cfg = KVCacheConfig(num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype=torch.bfloat16,
+                        max_slots=batch, max_context=max_ctx, group_size=group, page_budget=budget,
+                        device=args.device, map_ahead_tokens=map_ahead, scrub="never")
+    with VirtualKVCache(cfg) as cache:
+        slots = [cache.acquire(expected_len=p) for p in prompts]
+        lengths = dict(zip(slots, prompts))
+        cache.ensure(lengths)                         # prefill: not part of the decode loop
+        if map_ahead:
+            cache.step(lengths)
+            cache.wait()
+        before = cache.metrics()
+        per_step = []
+        for _ in tqdm(range(args.steps), desc=f"decode B={batch} ahead={map_ahead}", leave=False):
+            lengths = {s: n + 1 for s, n in lengths.items()}
+            t0 = time.perf_counter()
+            failed = cache.step(lengths) if map_ahead else cache.ensure(lengths)
+            per_step.append(time.perf_counter() - t0)
+            if failed:
+                raise RuntimeError(f"benchmark budget too small: {len(failed)} slots failed")
+            time.sleep(args.step_ms / 1e3)           # the GPU computes; the worker maps meanwhile
+        m = cache.metrics()
+    per_step.sort()
+    return {"batch": batch, "map_ahead_tokens": map_ahead, "steps": args.steps,
+            "ensure_median_us": _median_us(per_step), "ensure_p99_us": per_step[int(0.99 * len(per_step))] * 1e6,
+            "ensure_max_us": per_step[-1] * 1e6, "ensure_mean_us": statistics.fmean(per_step) * 1e6,
+            "share_of_step": statistics.fmean(per_step) * 1e3 / args.step_ms,
+            "pages_on_demand": m["pages_mapped_on_demand"] - before["pages_mapped_on_demand"],
+            "pages_ahead": m["pages_mapped_ahead"] - before["pages_mapped_ahead"]}
+
+
+def _markdown(lat: dict, loops: list[dict], args) -> str:
+    page_mb = lat["page_bytes"] / 2**20
+    rows = [f"Per {page_mb:g} MiB page, median of {lat['num_pages']} (µs):", "",
+            "| create | map | set-access | map+access (unbatched) | map+access (batched access) | unmap | release |",
+            "|---|---|---|---|---|---|---|",
+            f"| {lat['create_us']:.1f} | {lat['map_us']:.1f} | {lat['set_access_us']:.1f} | "
+            f"{lat['map_access_unbatched_us']:.1f} | {lat['map_access_batched_us']:.1f} | {lat['unmap_us']:.1f} | "
+            f"{lat['release_us']:.1f} |", "",
+            f"Map throughput: {lat['map_gbps_unbatched']:.1f} GB/s unbatched, {lat['map_gbps_batched']:.1f} GB/s "
+            "with access granted once per run.", "",
+            f"ensure() per decode step (critical path), {args.steps} steps, simulated GPU step "
+            f"{args.step_ms:g} ms, model shape {','.join(map(str, _shape(args)))} (layers,kv_heads,head_dim,G):", "",
+            "| batch | map-ahead | median µs | mean µs | p99 µs | max µs | mean share of step | pages on demand | pages ahead |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in loops:
+        rows.append(f"| {r['batch']} | {r['map_ahead_tokens'] or 'off'} | {r['ensure_median_us']:.1f} | "
+                    f"{r['ensure_mean_us']:.1f} | {r['ensure_p99_us']:.1f} | {r['ensure_max_us']:.1f} | "
+                    f"{r['share_of_step']:.2%} | {r['pages_on_demand']} | {r['pages_ahead']} |")
+    return "\n".join(rows)
+
+
+def run(args) -> int:
+    lat = call_latency(args.device, args.pages)
+    loops = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        for ahead in (0, 256):
+            loops.append(decode_loop(args, batch, map_ahead=ahead))
+            print(json.dumps(loops[-1]))
+    body = _markdown(lat, loops, args)
+    print(body)
+    title = f"vmm ({'CUDA' if args.device.startswith('cuda') else 'host'} backend)"
+    write_section(title, body, command_line(), path=args.benchmarks)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"latency": lat, "decode": loops}, f, indent=2)
+    return 0

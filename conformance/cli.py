@@ -1,0 +1,148 @@
+"""``vattn conformance``: token identity and throughput of vattn vs an engine's paged path.
+
+With no arguments: the transformers engine, the tiny random model, the host backend on CPU
+(CUDA when a GPU exists); identity + small decode-/prefill-heavy workloads; a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+
+import torch
+
+from vattn.core.errors import ConfigError, VattnError
+
+from .engines import ENGINES, load_runner
+from .identity import compare
+from .models import PRESETS, build_model, check_not_degenerate, model_shape
+from .report import write_report
+from .throughput import run_modes, summarize
+from .workloads import WORKLOADS, make_workload
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="transformers")
+    parser.add_argument("--model", default=None,
+                        help=f"a preset ({', '.join(PRESETS)}) or a model directory; default tiny "
+                             "(llama3-8b-shape with --size gpu)")
+    parser.add_argument("--workload", action="append", choices=WORKLOADS, default=None,
+                        help="repeatable; default: identity, decode-heavy, prefill-heavy")
+    parser.add_argument("--size", choices=("cpu", "gpu"), default=None,
+                        help="workload scale (default: gpu on CUDA with an 8B-shaped model, else cpu)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="throughput runs per mode (fastest kept)")
+    parser.add_argument("--max-gap", type=float, default=0.1, help="near-tie log-prob gap (nats)")
+    parser.add_argument("--require-exact", action="store_true",
+                        help="fail on any divergence (default for the transformers engine)")
+    parser.add_argument("--models-dir", default=None, help="where random models are built (default: temp)")
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="runner constructor option (JSON value), e.g. max_batch_tokens=2048 or "
+                             'vattn_options=\'{"group_size": 4}\'')
+    parser.add_argument("--out", default=os.path.join("reports", "conformance"))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the conformance suite; 0 when identity passes (and the model is not degenerate)."""
+    from tqdm import tqdm
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    preset = args.model or ("llama3-8b-shape" if args.size == "gpu" else "tiny")
+    size = args.size or ("gpu" if preset == "llama3-8b-shape" and device.startswith("cuda") else "cpu")
+    workloads = args.workload or ["identity", "decode-heavy", "prefill-heavy"]
+    try:
+        model_dir = _model_dir(preset, args, dtype=dtype, device=device)
+        runner = load_runner(args.engine, **_engine_options(args.engine_option))
+        shape = model_shape(model_dir)
+        report = {"engine": args.engine, "model": preset, "device": device, "dtype": dtype, "size": size,
+                  "modes": list(runner.modes), "versions": _versions(), "throughput": {}, "ok": True}
+        total = len(workloads) * len(runner.modes) * max(args.repeats, 1)
+        with tqdm(total=total, desc=f"conformance[{args.engine}]", unit="run") as bar:
+            for name in workloads:
+                bar.set_postfix_str(name)
+                wl = make_workload(name, size=size, vocab_size=shape.vocab_size, seed=args.seed,
+                                   max_context=shape.max_position)
+                if name == "identity":
+                    _identity(report, runner, wl, model_dir, args, device=device, dtype=dtype, bar=bar)
+                else:
+                    res = run_modes(runner, wl, model_dir, device=device, dtype=dtype,
+                                    repeats=args.repeats, progress=bar)
+                    report["throughput"][name] = summarize(res, runner.modes[0])
+        paths = write_report(report, args.out)
+    except VattnError as exc:
+        print(f"vattn conformance: {type(exc).__name__}: {exc}")
+        return 2
+    _print_summary(report, paths)
+    return 0 if report["ok"] else 1
+
+
+def _identity(report, runner, wl, model_dir, args, *, device, dtype, bar) -> None:
+    results = {}
+    for mode in runner.modes:
+        results[mode] = runner.run(mode, model_dir, wl.prompts, wl.max_new_tokens, logprobs=5,
+                                   device=device, dtype=dtype)
+        bar.update(1)
+    base = results[runner.modes[0]]
+    exact = args.require_exact or args.engine == "transformers"
+    checks = {m: compare(base, r, require_exact=exact, max_gap=args.max_gap) for m, r in results.items()
+              if m != runner.modes[0]}
+    degenerate = check_not_degenerate(base.token_ids)
+    report["identity"] = checks[runner.modes[-1]].to_dict()
+    report["identity_all"] = {m: c.to_dict() for m, c in checks.items()}
+    report["identity_max_new_tokens"] = wl.max_new_tokens
+    report["identity_require_exact"] = exact
+    report["degenerate_check"] = degenerate
+    report["throughput"]["identity"] = summarize(results, runner.modes[0])
+    report["extra"] = {m: r.extra for m, r in results.items()}
+    report["ok"] = report["ok"] and degenerate["ok"] and all(c.ok for c in checks.values())
+
+
+def _engine_options(items: list[str]) -> dict:
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--engine-option must be KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def _model_dir(preset: str, args, *, dtype: str, device: str) -> str:
+    if os.path.isdir(preset):
+        return preset
+    root = args.models_dir or os.path.join(tempfile.gettempdir(), "vattn-models")
+    out = os.path.join(root, f"{preset}-{dtype}-seed{args.seed}")
+    return build_model(preset, out, seed=args.seed, dtype=dtype, device=device)
+
+
+def _versions() -> dict:
+    found = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "vllm", "sglang"):
+        try:
+            found[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    if torch.cuda.is_available():
+        found["gpu"] = torch.cuda.get_device_name()
+    return found
+
+
+def _print_summary(report: dict, paths: dict) -> None:
+    ident = report.get("identity")
+    if ident:
+        print(f"identity: {'PASS' if ident['ok'] else 'FAIL'} exact-match {ident['exact_match_rate']:.3f} "
+              f"mismatches {len(ident['mismatches'])} degenerate-check {report['degenerate_check']['ok']}")
+    for name, rows in report["throughput"].items():
+        ratios = ", ".join(f"{m} {r['ratio']}x" for m, r in rows.items() if m != report["modes"][0])
+        print(f"{name}: {ratios}")
+    print(f"report: {paths['md']} {paths['json']}")

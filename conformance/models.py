@@ -1,0 +1,164 @@
+"""Random-weight models built locally from a config (no hub downloads).
+
+Every engine loads the same ``config.json`` + ``model.safetensors`` (a
+``LlamaForCausalLM``), initialised with ``std = initializer_range = 0.02`` so
+outputs depend on the prompt (vLLM's ``load_format="dummy"`` does not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from vattn.core.errors import ConfigError, UnsupportedError
+
+__all__ = ["PRESETS", "build_model", "check_not_degenerate", "model_shape", "random_prompts"]
+
+PRESETS: dict[str, dict] = {
+    "tiny": dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, intermediate_size=512, vocab_size=1024, max_position_embeddings=4096),
+    "llama3-8b-shape": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                            num_key_value_heads=8, head_dim=128, intermediate_size=14336,
+                            vocab_size=128256, max_position_embeddings=32768 + 1024, rope_theta=500000.0),
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; ConfigError for an unknown name."""
+    if name not in _DTYPES:
+        raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def build_model(preset_or_config: str | dict, out_dir: str, *, seed: int = 0,
+                dtype: str = "float32", device: str = "cpu") -> str:
+    """Write ``config.json`` + ``model.safetensors`` of a random Llama to ``out_dir``.
+
+    Parameters
+    ----------
+    preset_or_config
+        A name from :data:`PRESETS` or a dict of ``LlamaConfig`` fields.
+    out_dir
+        Created if missing; an existing model with the same config and seed is reused.
+    seed
+        Seed of the weight init (same seed -> same weights on every machine).
+    dtype
+        ``"float32"``, ``"bfloat16"`` or ``"float16"``: dtype of the saved weights.
+    device
+        Where to run the init (``"cuda"`` makes an 8B-shaped init take seconds).
+
+    Returns
+    -------
+    str
+        ``out_dir``.
+    """
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise UnsupportedError(f"building a model needs transformers and safetensors: {exc}") from exc
+    fields = _fields(preset_or_config)
+    stamp = json.dumps({"fields": fields, "seed": seed, "dtype": dtype}, sort_keys=True)
+    stamp_path = os.path.join(out_dir, "vattn_model.json")
+    if os.path.exists(stamp_path) and open(stamp_path).read() == stamp:
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    config = LlamaConfig(**fields, initializer_range=0.02, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config.dtype = dtype
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch_dtype(dtype))
+    _rescale(model, seed=seed)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out_dir)
+    with open(stamp_path, "w") as f:
+        f.write(stamp)
+    return out_dir
+
+
+def _fields(preset_or_config) -> dict:
+    if isinstance(preset_or_config, dict):
+        return dict(preset_or_config)
+    if preset_or_config not in PRESETS:
+        raise ConfigError(f"unknown model preset {preset_or_config!r}: expected one of {sorted(PRESETS)} "
+                          "or a dict of LlamaConfig fields")
+    return dict(PRESETS[preset_or_config])
+
+
+@torch.no_grad()
+def _rescale(model, *, seed: int) -> None:
+    """Normal(0, 0.02) on every matrix, ones on norms, whatever the library's init did."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)  # weights depend on the init device
+    for _, param in model.named_parameters():
+        if param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            param.copy_(torch.randn(param.shape, generator=gen, device=device) * 0.02)
+
+
+def model_shape(model_dir: str) -> ModelShape:
+    """Read the KV shape of a model directory's ``config.json``."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    heads = cfg["num_attention_heads"]
+    return ModelShape(num_layers=cfg["num_hidden_layers"],
+                      num_kv_heads=cfg.get("num_key_value_heads", heads),
+                      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                      vocab_size=cfg["vocab_size"], max_position=cfg["max_position_embeddings"])
+
+
+def random_prompts(num: int, lengths: int | list[int], *, vocab_size: int, seed: int) -> list[list[int]]:
+    """``num`` prompts of random token ids in ``[1, vocab_size)`` (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [lengths] * num if isinstance(lengths, int) else list(lengths)
+    return [torch.randint(1, vocab_size, (n,), generator=gen).tolist() for n in lens]
+
+
+def check_not_degenerate(token_ids: list[list[int]], *, min_distinct_openings: float = 0.5,
+                         min_distinct_tokens: int = 3) -> dict:
+    """Check outputs vary across prompts and positions.
+
+    Parameters
+    ----------
+    token_ids
+        Generated ids per prompt.
+    min_distinct_openings
+        Fraction of prompts whose first 4 generated tokens must be distinct from each other.
+    min_distinct_tokens
+        Distinct tokens each output must contain on average (a 2-token cycle fails).
+
+    Returns
+    -------
+    dict
+        ``{"ok": bool, "distinct_openings": int, "mean_distinct_tokens": float, "reason": str}``.
+    """
+    outputs = [ids for ids in token_ids if ids]
+    if not outputs:
+        return {"ok": False, "distinct_openings": 0, "mean_distinct_tokens": 0.0, "reason": "no output"}
+    openings = len({tuple(ids[:4]) for ids in outputs})
+    mean_distinct = sum(len(set(ids)) for ids in outputs) / len(outputs)
+    need_open = max(1, int(min_distinct_openings * len(outputs))) if len(outputs) > 1 else 1
+    reasons = []
+    if openings < need_open:
+        reasons.append(f"only {openings} distinct 4-token openings for {len(outputs)} prompts")
+    longest = max(len(ids) for ids in outputs)
+    if longest >= 2 * min_distinct_tokens and mean_distinct < min_distinct_tokens:
+        reasons.append(f"outputs hold {mean_distinct:.1f} distinct tokens on average (a cycle)")
+    return {"ok": not reasons, "distinct_openings": openings,
+            "mean_distinct_tokens": round(mean_distinct, 2), "reason": "; ".join(reasons)}

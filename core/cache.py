@@ -1,0 +1,437 @@
+"""VirtualKVCache: every request's KV is virtually contiguous; pages are committed as it grows.
+
+Host-side methods (``acquire``, ``ensure``, ``step``, ``release``, ``wait``, ...) may synchronize
+and must not run inside a CUDA graph capture. The tensors returned by ``k``/``v``/``k_rows``/
+``v_rows`` are fixed for the cache's lifetime, so kernels reading them can be captured.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .config import KVCacheConfig
+from .driver import get_driver
+from .errors import ConfigError, ContextLengthError, DriverError, SlotError, VattnError
+from .layout import KVLayout
+from .mapahead import MapAhead
+from .metrics import Counters, prometheus_collector
+from .pages import PagePool
+from .paging import SlotPages
+
+__all__ = ["VirtualKVCache", "Capacity"]
+
+_MAX_VA_BYTES = 1 << 46  # 64 TiB: inside both the x86-64 user space and the CUDA VA limits
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """What a scheduler may still admit."""
+
+    free_pages: int          # in the pool, unmapped
+    reclaimable_pages: int   # mapped to idle slots or beyond active slots' needs
+    free_page_sets: int      # (free + reclaimable) // ranges
+    free_tokens: int         # tokens those page-sets hold
+    idle_slots: int
+
+
+class VirtualKVCache:
+    """A KV cache whose slots are virtually contiguous regions backed page by page.
+
+    Parameters
+    ----------
+    config : KVCacheConfig
+        Shape, layout, budget and policies.
+    driver : Driver, optional
+        Backend override (e.g. a :class:`~vattn.core.driver.FaultInjector`); default from
+        ``config.device``.
+    """
+
+    def __init__(self, config: KVCacheConfig, *, driver=None):
+        self.config = cfg = config
+        self.driver = driver or get_driver(cfg.torch_device, granularity=cfg.page_bytes)
+        page = cfg.page_bytes or self.driver.granularity
+        if page % self.driver.granularity:
+            raise ConfigError(f"page_bytes must be a multiple of the driver granularity "
+                              f"{self.driver.granularity}, got {page}")
+        self.layout = lay = KVLayout.from_config(cfg, page)
+        self._va_bytes = lay.num_ranges * lay.range_bytes
+        if self._va_bytes > _MAX_VA_BYTES:
+            raise ConfigError(f"the cache needs {self._va_bytes / 2**40:.1f} TiB of virtual address "
+                              f"space, more than {_MAX_VA_BYTES >> 40} TiB; lower max_slots or max_context")
+        self._pool = PagePool(self.driver, page_bytes=page, num_pages=self._budget_pages(page))
+        self._base = None
+        try:
+            self._setup()
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _setup(self) -> None:
+        cfg, lay = self.config, self.layout
+        try:
+            self._base = self.driver.reserve(self._va_bytes)
+        except DriverError as exc:
+            raise ConfigError(f"could not reserve {self._va_bytes} bytes of virtual address space: "
+                              f"{exc}") from exc
+        bases = [self._base + r * lay.range_bytes for r in range(lay.num_ranges)]
+        self._counters = Counters()
+        self._pages = SlotPages(cfg, lay, self.driver, self._pool, bases, self._counters)
+        self._elems = self.driver.view(self._base, self._va_bytes).view(cfg.dtype)
+        self._views: dict[tuple[int, str], torch.Tensor] = {}
+        n = lay.num_va_slots
+        self._active = np.zeros(n, dtype=bool)
+        self._tenant: list = [None] * n
+        self._length = np.zeros(n, dtype=np.int64)
+        self._fence: list = [None] * n
+        self._released_at = [0] * n
+        self._clock = 0
+        self._inflight: set[int] = set()
+        self._cond = threading.Condition(threading.RLock())
+        self._worker: MapAhead | None = None
+        self._closed = False
+        self.padding_slot = cfg.max_slots
+        self._active[self.padding_slot] = True
+        if not self._pages.grow(self.padding_slot, 1, None, ahead=False):
+            raise ConfigError("page budget too small for the padding slot")
+
+    def _abandon(self) -> None:
+        """Undo a half-built cache: unmap, free the VA and the pages (best effort, then raise)."""
+        pages = getattr(self, "_pages", None)
+        if pages is not None:
+            for slot in range(self.layout.num_va_slots):
+                pages.trim(slot, 0)
+        if self._base is not None:
+            self.driver.free_va(self._base, self._va_bytes)
+            self._base = None
+        self._pool.close()
+
+    def _budget_pages(self, page: int) -> int:
+        budget = self.config.page_budget
+        if isinstance(budget, float):
+            budget = int(self.driver.free_memory() * budget)
+        need = 2 * self.layout.num_ranges
+        pages = budget // page
+        if pages < need:
+            raise ConfigError(f"page_budget of {budget} bytes gives {pages} pages of {page} bytes; at "
+                              f"least {need} are needed (padding slot plus one page-set)")
+        return pages
+
+    # -- views (fixed for the cache's lifetime) ------------------------------------------------
+    def k(self, layer: int) -> torch.Tensor:
+        """K of ``layer``: ``[max_slots + 1, rows_per_slot, H, D]``, last dim contiguous."""
+        return self._view(layer, "k")
+
+    def v(self, layer: int) -> torch.Tensor:
+        """V of ``layer``: ``[max_slots + 1, rows_per_slot, H, D]``."""
+        return self._view(layer, "v")
+
+    def k_rows(self, layer: int) -> torch.Tensor:
+        """K of ``layer`` flattened: ``[(max_slots + 1) * rows_per_slot, H, D]``."""
+        return self.k(layer).flatten(0, 1)
+
+    def v_rows(self, layer: int) -> torch.Tensor:
+        return self.v(layer).flatten(0, 1)
+
+    def _view(self, layer: int, which: str) -> torch.Tensor:
+        key = (layer, which)
+        if key not in self._views:
+            place = self.layout.place(layer)
+            rng, off = (place.k_range, place.k_offset) if which == "k" else (place.v_range, place.v_offset)
+            elems = self._elems[rng * self.layout.range_bytes // self._elems.element_size():]
+            self._views[key] = self.layout.slot_view(elems, off)
+        return self._views[key]
+
+    # -- slot lifecycle --------------------------------------------------------------------------
+    def acquire(self, *, tenant=None, expected_len: int = 0) -> int:
+        """Hand out an idle slot, preferring the warm one whose pages best fit ``expected_len``.
+
+        Raises
+        ------
+        SlotError
+            Every slot is in use.
+        ContextLengthError
+            ``expected_len`` exceeds ``max_context``.
+        """
+        self._check_open()
+        self._check_length(expected_len)
+        with self._cond:
+            need = self.layout.pages_for(expected_len)
+            idle = [s for s in range(self.config.max_slots) if not self._active[s]]
+            if not idle:
+                raise SlotError(f"all {self.config.max_slots} slots are in use")
+            ready = [s for s in idle if s not in self._inflight] or idle
+            slot = min(ready, key=lambda s: self._fit_key(s, need, tenant))
+            while slot in self._inflight:
+                self._cond.wait()
+            self._active[slot], self._tenant[slot], self._length[slot] = True, tenant, 0
+            if self._pages.usable(slot):
+                self._counters.warm_hits += 1
+                self._pages.retag(slot, tenant)
+            return slot
+
+    def _fit_key(self, slot: int, need: int, tenant) -> tuple:
+        have = self._pages.usable(slot)
+        other_tenant = self._tenant[slot] != tenant
+        return (have < need, have == 0, abs(have - need), other_tenant, self._released_at[slot])
+
+    def release(self, slot: int, *, fence=None) -> None:
+        """Finish the request in ``slot``; its pages stay mapped until memory pressure.
+
+        ``fence`` (default: recorded now on the current stream) must complete before any of
+        the slot's pages may be unmapped.
+        """
+        self._check_active(slot)
+        with self._cond:
+            self._fence[slot] = fence if fence is not None else self.driver.record_fence()
+            self._active[slot] = False
+            self._clock += 1
+            self._released_at[slot] = self._clock
+            if self._worker is not None:
+                self._worker.jobs.pop(slot, None)
+
+    # -- paging ------------------------------------------------------------------------------------
+    def ensure(self, lengths, lengths_seq=None) -> list[int]:
+        """Map pages so every listed slot holds its length; return the slots that could not grow.
+
+        ``lengths`` is ``{slot: num_tokens}``, or pass two sequences (lists, numpy arrays or CPU
+        tensors) ``ensure(slots, lengths)``. A slot that fails keeps what it had; the engine should
+        preempt it. When every slot already has its pages (the steady state with map-ahead) this
+        is a few vectorised comparisons and makes no driver call.
+        """
+        start = time.perf_counter()
+        slots, lens = self._arrays(lengths, lengths_seq)
+        with self._cond:
+            self._check_batch(slots, lens)
+            short = lens > self._pages.cap_tokens[slots]
+            failed = []
+            if short.any():
+                failed = self._ensure_slow(slots[short].tolist(), lens[short].tolist(), set(slots.tolist()))
+            ok = slots if not failed else slots[~np.isin(slots, failed)]
+            ok_lens = lens if not failed else lens[~np.isin(slots, failed)]
+            np.maximum.at(self._length, ok, ok_lens)
+            self._counters.shortfalls += len(failed)
+        self._counters.ensure_us.observe((time.perf_counter() - start) * 1e6)
+        return failed
+
+    def _ensure_slow(self, slots: list[int], lens: list[int], protect: set[int]) -> list[int]:
+        failed, exhausted = [], False
+        for slot, n in zip(slots, lens):
+            ok, exhausted = self._grow(slot, self.layout.pages_for(n), protect, exhausted)
+            if not ok:
+                failed.append(slot)
+        return failed
+
+    def step(self, lengths, lengths_seq=None) -> list[int]:
+        """:meth:`ensure`, then map each ok slot ``map_ahead_tokens`` further in the background."""
+        slots, lens = self._arrays(lengths, lengths_seq)
+        failed = self.ensure(slots, lens)
+        ahead = self.config.map_ahead_tokens
+        if not ahead:
+            return failed
+        want = np.minimum(lens + ahead, self.layout.rows_per_slot)
+        need = want > self._pages.cap_tokens[slots]
+        if failed:
+            need &= ~np.isin(slots, failed)
+        if need.any():
+            targets = {s: self.layout.pages_for(n) for s, n in zip(slots[need].tolist(), want[need].tolist())}
+            with self._cond:
+                if self._worker is None:
+                    self._worker = MapAhead(self)
+                self._worker.submit(targets)
+        return failed
+
+    def _arrays(self, lengths, lengths_seq) -> tuple[np.ndarray, np.ndarray]:
+        if lengths_seq is None:
+            if not isinstance(lengths, Mapping):
+                raise SlotError(f"ensure expects {{slot: length}} or (slots, lengths), got "
+                                f"{type(lengths).__name__}")
+            keys, values = list(lengths.keys()), list(lengths.values())
+        else:
+            keys, values = lengths, lengths_seq
+        slots, lens = _int_array(keys, "slots"), _int_array(values, "lengths")
+        if slots.shape != lens.shape:
+            raise SlotError(f"slots and lengths need equal sizes, got {slots.size} and {lens.size}")
+        return slots, lens
+
+    def _check_batch(self, slots: np.ndarray, lens: np.ndarray) -> None:
+        self._check_open()
+        if slots.size and (slots.min() < 0 or slots.max() >= self.config.max_slots):
+            bad = slots[(slots < 0) | (slots >= self.config.max_slots)][0]
+            raise SlotError(f"slot must be an int in [0, {self.config.max_slots}), got {int(bad)}")
+        if slots.size and not self._active[slots].all():
+            bad = slots[~self._active[slots]][0]
+            raise SlotError(f"slot {int(bad)} is not acquired (released or never acquired)")
+        if lens.size and (lens.min() < 0 or lens.max() > self.config.max_context):
+            bad = lens[(lens < 0) | (lens > self.config.max_context)][0]
+            raise ContextLengthError(f"length {int(bad)} is outside [0, max_context={self.config.max_context}]")
+        if slots.size > 1 and np.bincount(slots).max() > 1:
+            raise SlotError("a slot is listed twice in one ensure() call")
+
+    def wait(self) -> None:
+        """Block until the map-ahead worker has nothing left to do."""
+        with self._cond:
+            while self._worker is not None and not self._worker.idle():
+                self._cond.wait()
+
+    def _grow(self, slot: int, num_sets: int, protect: set[int], exhausted: bool) -> tuple[bool, bool]:
+        """Grow one slot; ``exhausted`` says an earlier reclaim found nothing left to take."""
+        while slot in self._inflight:                 # a page we may need is being mapped
+            self._cond.wait()
+        if self._pages.usable(slot) >= num_sets:
+            return True, exhausted
+        short = self._pages.missing(slot, num_sets) - self._pool.num_free
+        if short > 0 and (exhausted or self._reclaim(short, protect) < short):
+            return False, True
+        return self._pages.grow(slot, num_sets, self._tenant[slot], ahead=False), exhausted
+
+    def reclaim(self, num_pages: int | None = None) -> int:
+        """Unmap pages of idle slots (oldest first, fence permitting); returns pages freed."""
+        with self._cond:
+            return self._reclaim(num_pages if num_pages is not None else self._pool.num_pages, set())
+
+    def _reclaim(self, want: int, protect: set[int]) -> int:
+        freed = 0
+        for block in (False, True):                   # first only finished fences, then wait
+            for slot, keep in self._victims(protect):
+                if freed >= want:
+                    return freed
+                fence = self._fence[slot]
+                if fence is not None and not fence.done():
+                    if not block:
+                        continue
+                    self._counters.fence_waits += 1
+                    fence.wait()
+                freed += self._pages.trim(slot, keep)
+        return freed
+
+    def _victims(self, protect: set[int]) -> list[tuple[int, int]]:
+        idle = sorted((s for s in range(self.config.max_slots)
+                       if not self._active[s] and s not in self._inflight and self._pages.held(s)),
+                      key=lambda s: self._released_at[s])
+        surplus = [(s, self.layout.pages_for(self._length[s])) for s in range(self.config.max_slots)
+                   if self._active[s] and s not in protect and s not in self._inflight]
+        return [(s, 0) for s in idle] + [(s, k) for s, k in surplus if self._pages.held(s) > k * len(self._pages.bases)]
+
+    # -- queries ------------------------------------------------------------------------------------
+    def mapped_tokens(self, slot: int) -> int:
+        """Tokens of ``slot`` currently backed by accessible pages."""
+        self._check_slot(slot)
+        return self.layout.tokens_for(self._pages.usable(slot))
+
+    def length(self, slot: int) -> int:
+        """The largest length :meth:`ensure` guaranteed for the slot's current request."""
+        self._check_active(slot)
+        return int(self._length[slot])
+
+    def capacity(self) -> Capacity:
+        with self._cond:
+            reclaimable = sum(self._pages.held(s) - keep * len(self._pages.bases)
+                              for s, keep in self._victims(set()))
+            sets = (self._pool.num_free + reclaimable) // self.layout.num_ranges
+            idle = sum(1 for s in range(self.config.max_slots) if not self._active[s])
+            tokens = sets * self.layout.page_bytes // self.layout.token_bytes
+            return Capacity(self._pool.num_free, reclaimable, sets, tokens, idle)
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a new request of ``num_tokens`` could be admitted now."""
+        cap = self.capacity()
+        return cap.idle_slots > 0 and cap.free_page_sets >= self.layout.pages_for(num_tokens)
+
+    def metrics(self) -> dict:
+        """Gauges and counters as a plain dict (see :func:`prometheus_collector`)."""
+        with self._cond:
+            lay, slots = self.layout, range(self.config.max_slots)
+            active = [s for s in slots if self._active[s]]
+            used = sum(self._length[s] for s in active) * lay.token_bytes * lay.num_ranges
+            held_active = sum(self._pages.held(s) for s in active) * lay.page_bytes
+            warm = sum(self._pages.held(s) for s in slots if not self._active[s]) * lay.page_bytes
+            gauges = {"pages_total": self._pool.num_pages, "pages_free": self._pool.num_free,
+                      "pages_mapped": self._pool.num_used, "active_slots": len(active),
+                      "warm_bytes": warm, "waste_bytes": held_active - used,
+                      "mapped_bytes": self._pool.num_used * lay.page_bytes}
+            return gauges | self._counters.as_dict()
+
+    def prometheus_collector(self, *, prefix: str = "vattn"):
+        """A Prometheus collector for this cache (needs ``prometheus_client``)."""
+        return prometheus_collector(self, prefix=prefix)
+
+    def audit(self) -> None:
+        """Check the page accounting; raise :class:`VattnError` on any inconsistency."""
+        with self._cond:
+            seen: dict[int, tuple] = {}
+            for slot, ranges in enumerate(self._pages.mapped):
+                for rng, pids in enumerate(ranges):
+                    for i, pid in enumerate(pids):
+                        if pid in seen or self._pool.is_free(pid):
+                            raise VattnError(f"page {pid} at slot {slot} range {rng} index {i} is "
+                                             f"{'free' if pid not in seen else f'also at {seen[pid]}'}")
+                        seen[pid] = (slot, rng, i)
+            if len(seen) + self._pool.num_free != self._pool.num_pages:
+                raise VattnError(f"{len(seen)} mapped + {self._pool.num_free} free pages != "
+                                 f"{self._pool.num_pages} in the pool")
+
+    # -- teardown and checks ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the worker, wait for every fence, unmap and release everything."""
+        if self._closed:
+            return
+        if self._worker is not None:
+            self._worker.stop()
+        with self._cond:
+            for slot in range(self.layout.num_va_slots):
+                if self._fence[slot] is not None:
+                    self._fence[slot].wait()
+            if self.driver.device.type == "cuda":
+                torch.cuda.synchronize(self.driver.device)
+            self._views.clear()
+            self._elems = None
+            for slot in range(self.layout.num_va_slots):
+                self._pages.trim(slot, 0)
+            if self._base is not None:
+                self.driver.free_va(self._base, self._va_bytes)
+                self._base = None
+            self._pool.close()
+            self._closed = True
+
+    def __enter__(self) -> "VirtualKVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SlotError("the cache is closed")
+
+    def _check_slot(self, slot) -> None:
+        self._check_open()
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.config.max_slots:
+            raise SlotError(f"slot must be an int in [0, {self.config.max_slots}), got {slot!r}")
+
+    def _check_active(self, slot) -> None:
+        self._check_slot(slot)
+        if not self._active[slot]:
+            raise SlotError(f"slot {slot} is not acquired (released or never acquired)")
+
+    def _check_length(self, n) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ContextLengthError(f"length must be an int >= 0, got {n!r}")
+        if n > self.config.max_context:
+            raise ContextLengthError(f"length {n} exceeds max_context={self.config.max_context}")
+
+
+def _int_array(xs, name: str) -> np.ndarray:
+    if isinstance(xs, torch.Tensor):
+        if xs.device.type != "cpu" or xs.dtype.is_floating_point:
+            raise SlotError(f"{name} must be integers on the CPU, got {xs.dtype} on {xs.device}")
+        xs = xs.numpy()
+    arr = np.asarray(xs)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise SlotError(f"{name} must be a 1-D sequence of ints, got {arr.dtype} with shape {arr.shape}")
+    return arr.astype(np.int64, copy=False)

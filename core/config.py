@@ -1,0 +1,98 @@
+"""The one validated configuration of a :class:`~vattn.core.cache.VirtualKVCache`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = ["KVCacheConfig", "SCRUB_POLICIES"]
+
+SCRUB_POLICIES = ("tenant", "always", "never")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2,
+           torch.uint8, torch.int8)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVCacheConfig:
+    """Shape, layout, memory budget and policies of a virtual KV cache.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim : int
+        Model shape (KV heads of this rank under tensor parallelism).
+    dtype : torch.dtype
+        Element type of K and V.
+    max_slots : int
+        Concurrent requests; slot ids are ``0 .. max_slots - 1``.
+    max_context : int
+        Tokens one slot can hold.
+    group_size : int
+        Layers sharing one VA range (decision 2 of the design notes); must divide ``num_layers``.
+    split_kv : bool
+        K and V in separate ranges (the paper's per-layer layout); only with ``group_size=1``.
+    page_budget : int | float
+        Physical memory for KV pages: bytes (int) or a fraction of free device memory (float in (0, 1]).
+    page_bytes : int | None
+        Physical page size; ``None`` means the driver's granularity (2 MiB).
+    scrub : str
+        ``"tenant"`` zeroes pages that move to another tenant, ``"always"`` on every reuse, ``"never"``.
+    device : str | torch.device
+        ``"cpu"`` uses the host backend, ``"cuda[:N]"`` the CUDA VMM backend.
+    map_ahead_tokens : int
+        Tokens beyond each running slot's length that a background worker maps ahead (0: off).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.bfloat16
+    max_slots: int
+    max_context: int
+    group_size: int = 1
+    split_kv: bool = False
+    page_budget: int | float = 0.9
+    page_bytes: int | None = None
+    scrub: str = "tenant"
+    device: str | torch.device = "cpu"
+    map_ahead_tokens: int = 256
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "max_slots", "max_context", "group_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {[str(d) for d in _DTYPES]}, got {self.dtype!r}")
+        if self.num_layers % self.group_size:
+            raise ConfigError(f"group_size must divide num_layers={self.num_layers}, got {self.group_size}")
+        if self.split_kv and self.group_size != 1:
+            raise ConfigError(f"split_kv=True needs group_size=1, got group_size={self.group_size}")
+        _check_budget(self.page_budget)
+        if self.page_bytes is not None and (not isinstance(self.page_bytes, int) or self.page_bytes <= 0):
+            raise ConfigError(f"page_bytes must be a positive int or None, got {self.page_bytes!r}")
+        if self.scrub not in SCRUB_POLICIES:
+            raise ConfigError(f"scrub must be one of {SCRUB_POLICIES}, got {self.scrub!r}")
+        if not isinstance(self.map_ahead_tokens, int) or self.map_ahead_tokens < 0:
+            raise ConfigError(f"map_ahead_tokens must be an int >= 0, got {self.map_ahead_tokens!r}")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}") from exc
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+def _check_budget(budget) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ConfigError(f"page_budget must be bytes (int) or a fraction (float), got {budget!r}")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ConfigError(f"a fractional page_budget must be in (0, 1], got {budget}")
+    if isinstance(budget, int) and budget <= 0:
+        raise ConfigError(f"page_budget in bytes must be positive, got {budget}")

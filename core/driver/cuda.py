@@ -1,0 +1,149 @@
+"""CUDA backend: the driver's virtual-memory API through ``cuda.bindings.driver``.
+
+Every failed call raises :class:`~vattn.core.errors.DriverError` naming the call and its
+arguments. The module imports ``cuda.bindings`` lazily, so ``vattn.core`` imports without it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import DriverError, UnsupportedError
+
+__all__ = ["CudaDriver", "CudaFence"]
+
+
+def _bindings():
+    try:
+        from cuda.bindings import driver as cu  # noqa: PLC0415  (optional dependency)
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise UnsupportedError(
+            "the CUDA backend needs the cuda-python package (pip install 'vattn[cuda]'); "
+            f"importing cuda.bindings failed: {exc}") from exc
+    return cu
+
+
+class CudaFence:
+    """A CUDA event recorded on the current stream."""
+
+    __slots__ = ("event",)
+
+    def __init__(self):
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class _ArrayInterface:
+    """Exposes a raw device pointer to ``torch.as_tensor`` (CUDA array interface v3)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}
+
+
+class CudaDriver:
+    """VMM on one CUDA device (pinned device memory, read/write access for that device)."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device | str | int = "cuda"):
+        self.cu = cu = _bindings()
+        if not torch.cuda.is_available():
+            raise UnsupportedError("the CUDA backend was asked for but torch sees no CUDA device")
+        self.device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.init()
+        torch.zeros(1, device=self.device)  # make the primary context current here
+        self._call("cuInit", cu.cuInit, 0)
+        self._ctx = self._call("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain,
+                               self._call("cuDeviceGet", cu.cuDeviceGet, self.device.index))
+        self._prop = prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device.index
+        self._access = acc = cu.CUmemAccessDesc()
+        acc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        acc.location.id = self.device.index
+        acc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        self.granularity = int(self._call("cuMemGetAllocationGranularity",
+                                          cu.cuMemGetAllocationGranularity, prop, flag))
+
+    def _call(self, name: str, fn, *args, shown: dict | None = None):
+        result = fn(*args)
+        err = result[0] if isinstance(result, tuple) else result
+        if err != self.cu.CUresult.CUDA_SUCCESS:
+            _, text = self.cu.cuGetErrorName(err)
+            raise DriverError(name, shown if shown is not None else {"args": args},
+                              text.decode() if isinstance(text, bytes) else str(err))
+        if isinstance(result, tuple) and len(result) > 1:
+            return result[1] if len(result) == 2 else result[1:]
+        return None
+
+    def reserve(self, size: int) -> int:
+        va = self._call("cuMemAddressReserve", self.cu.cuMemAddressReserve, size,
+                        self.granularity, 0, 0, shown={"size": size})
+        return int(va)
+
+    def free_va(self, va: int, size: int) -> None:
+        self._call("cuMemAddressFree", self.cu.cuMemAddressFree, va, size,
+                   shown={"va": va, "size": size})
+
+    def create(self, size: int):
+        return self._call("cuMemCreate", self.cu.cuMemCreate, size, self._prop, 0,
+                          shown={"size": size, "device": self.device.index})
+
+    def release(self, handle) -> None:
+        self._call("cuMemRelease", self.cu.cuMemRelease, handle, shown={"handle": int(handle)})
+
+    def map(self, va: int, size: int, handle) -> None:
+        self._call("cuMemMap", self.cu.cuMemMap, va, size, 0, handle, 0,
+                   shown={"va": va, "size": size, "handle": int(handle)})
+
+    def set_access(self, va: int, size: int) -> None:
+        self._call("cuMemSetAccess", self.cu.cuMemSetAccess, va, size, [self._access], 1,
+                   shown={"va": va, "size": size})
+
+    def unmap(self, va: int, size: int) -> None:
+        self._call("cuMemUnmap", self.cu.cuMemUnmap, va, size, shown={"va": va, "size": size})
+
+    def view(self, va: int, nbytes: int) -> torch.Tensor:
+        # torch may query the pointer's attributes, which fails on VA with nothing mapped:
+        # back the first page with a scratch page while the tensor is made.
+        scratch = self.create(self.granularity)
+        try:
+            self.map(va, self.granularity, scratch)
+            try:
+                self.set_access(va, self.granularity)
+                return torch.as_tensor(_ArrayInterface(va, nbytes), device=self.device)
+            finally:
+                torch.cuda.synchronize(self.device)
+                self.unmap(va, self.granularity)
+        finally:
+            self.release(scratch)
+
+    def zero(self, va: int, nbytes: int) -> None:
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._call("cuMemsetD8Async", self.cu.cuMemsetD8Async, va, 0, nbytes, stream,
+                   shown={"va": va, "nbytes": nbytes})
+
+    def record_fence(self) -> CudaFence:
+        return CudaFence()
+
+    def bind_thread(self) -> None:
+        self._call("cuCtxSetCurrent", self.cu.cuCtxSetCurrent, self._ctx)
+        torch.cuda.set_device(self.device)
+
+    def free_memory(self) -> int:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(free)
+
+    def close(self) -> None:
+        return None

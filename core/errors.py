@@ -1,0 +1,59 @@
+"""Typed errors of vattn. Every user-facing failure is one of these."""
+
+from __future__ import annotations
+
+__all__ = [
+    "VattnError", "ConfigError", "SlotError", "ContextLengthError", "TensorError",
+    "UnsupportedError", "DriverError", "InjectedFault",
+]
+
+
+class VattnError(Exception):
+    """Base class of every error vattn raises on purpose."""
+
+
+class ConfigError(VattnError, ValueError):
+    """A configuration is invalid or cannot fit in virtual address space or memory."""
+
+
+class SlotError(VattnError, ValueError):
+    """A slot id is out of range, released twice, or used after release."""
+
+
+class ContextLengthError(VattnError, ValueError):
+    """A requested length exceeds the configured maximum context."""
+
+
+class TensorError(VattnError, TypeError):
+    """A tensor has the wrong dtype, device, shape or strides."""
+
+
+class UnsupportedError(VattnError, NotImplementedError):
+    """The requested backend, shape or engine version is not supported here."""
+
+
+class DriverError(VattnError, RuntimeError):
+    """A virtual-memory driver call failed.
+
+    Attributes
+    ----------
+    call : str
+        The driver call, e.g. ``"cuMemMap"`` or ``"mmap"``.
+    args : dict
+        The arguments it was given.
+    code : int | str
+        The driver's error code or name.
+    """
+
+    def __init__(self, call: str, args: dict, code, message: str = ""):
+        self.call, self.call_args, self.code = call, dict(args), code
+        shown = ", ".join(f"{k}={_fmt(v)}" for k, v in self.call_args.items())
+        super().__init__(f"{call}({shown}) failed: {code}{': ' + message if message else ''}")
+
+
+class InjectedFault(DriverError):
+    """A driver failure raised on purpose by :class:`vattn.core.driver.FaultInjector`."""
+
+
+def _fmt(value) -> str:
+    return hex(value) if isinstance(value, int) and value > 4096 else repr(value)

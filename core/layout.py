@@ -1,0 +1,160 @@
+"""Byte math of the virtual KV tensors (decisions 2 and 3 of the design notes).
+
+A group of ``G`` layers shares one VA range shaped ``[slots + 1, rows_per_slot, G, 2, H, D]``
+(``[slots + 1, rows_per_slot, H, D]`` per K or per V range with ``split_kv``). The extra last
+slot is the always-mapped padding slot. Slot ``s`` owns bytes ``[s*R, (s+1)*R)`` of every range;
+``R`` is a multiple of the page size and of ``token_bytes``, so token ``t`` of slot ``s`` is row
+``s * rows_per_slot + t`` of a flattened per-layer view.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = ["KVLayout", "LayoutReport", "layout_report", "LayerPlace"]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPlace:
+    """Where one layer's K and V live: range index and element offset inside a token row."""
+
+    k_range: int
+    v_range: int
+    k_offset: int
+    v_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shapes, strides and page arithmetic for one cache configuration."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    element_bytes: int
+    max_slots: int
+    max_context: int
+    group_size: int
+    split_kv: bool
+    page_bytes: int
+
+    @classmethod
+    def from_config(cls, cfg, page_bytes: int) -> "KVLayout":
+        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, _itemsize(cfg.dtype),
+                   cfg.max_slots, cfg.max_context, cfg.group_size, cfg.split_kv, page_bytes)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token in one range."""
+        per_layer = 1 if self.split_kv else 2
+        return self.group_size * per_layer * self.num_kv_heads * self.head_dim * self.element_bytes
+
+    @property
+    def row_elems(self) -> int:
+        return self.token_bytes // self.element_bytes
+
+    @property
+    def num_ranges(self) -> int:
+        return self.num_layers // self.group_size * (2 if self.split_kv else 1)
+
+    @property
+    def region_bytes(self) -> int:
+        """``R``: bytes one slot owns in every range."""
+        step = math.lcm(self.page_bytes, self.token_bytes)
+        return -(-self.max_context * self.token_bytes // step) * step
+
+    @property
+    def rows_per_slot(self) -> int:
+        return self.region_bytes // self.token_bytes
+
+    @property
+    def pages_per_slot(self) -> int:
+        return self.region_bytes // self.page_bytes
+
+    @property
+    def num_va_slots(self) -> int:
+        """Slots with VA: ``max_slots`` plus the padding slot."""
+        return self.max_slots + 1
+
+    @property
+    def range_bytes(self) -> int:
+        return self.num_va_slots * self.region_bytes
+
+    @property
+    def tokens_per_page(self) -> float:
+        """Tokens one page-set (one page in every range) holds."""
+        return self.page_bytes / self.token_bytes
+
+    @property
+    def page_set_bytes(self) -> int:
+        return self.page_bytes * self.num_ranges
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Page-sets needed so tokens ``0 .. num_tokens - 1`` are mapped."""
+        return -(-num_tokens * self.token_bytes // self.page_bytes)
+
+    def tokens_for(self, num_page_sets: int) -> int:
+        """Tokens fully backed by ``num_page_sets`` page-sets."""
+        return min(num_page_sets * self.page_bytes // self.token_bytes, self.rows_per_slot)
+
+    def page_offset(self, slot: int, page: int) -> int:
+        """Byte offset of a slot's ``page``-th page inside every range."""
+        return slot * self.region_bytes + page * self.page_bytes
+
+    def place(self, layer: int) -> LayerPlace:
+        if not 0 <= layer < self.num_layers:
+            raise ConfigError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        hd = self.num_kv_heads * self.head_dim
+        if self.split_kv:
+            return LayerPlace(2 * layer, 2 * layer + 1, 0, 0)
+        j, rng = layer % self.group_size, layer // self.group_size
+        return LayerPlace(rng, rng, 2 * j * hd, (2 * j + 1) * hd)
+
+    def slot_view(self, range_elems: torch.Tensor, elem_offset: int) -> torch.Tensor:
+        """``[slots + 1, rows_per_slot, H, D]`` strided view of one layer's K or V."""
+        rows, row = self.rows_per_slot, self.row_elems
+        return range_elems.as_strided(
+            (self.num_va_slots, rows, self.num_kv_heads, self.head_dim),
+            (rows * row, row, self.head_dim, 1), range_elems.storage_offset() + elem_offset)
+
+    def waste_bytes(self, num_tokens: int) -> int:
+        """Mapped but unused bytes of a request holding ``num_tokens`` tokens."""
+        return self.pages_for(num_tokens) * self.page_set_bytes - num_tokens * self.token_bytes * self.num_ranges
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutReport:
+    """What a layout costs for one model shape."""
+
+    group_size: int
+    split_kv: bool
+    num_ranges: int
+    token_bytes: int
+    tokens_per_page: float
+    worst_waste_bytes: int  # at most one partly filled page per range
+
+    def as_row(self) -> dict:
+        return {"layout": "per-layer K/V split" if self.split_kv else f"G={self.group_size}",
+                "ranges": self.num_ranges, "tokens_per_page": self.tokens_per_page,
+                "worst_waste_MiB": self.worst_waste_bytes / 2**20}
+
+
+def layout_report(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  group_size: int, split_kv: bool = False, page_bytes: int = 2 << 20) -> LayoutReport:
+    """Tokens per page and worst-case waste per request for a model shape and layer group ``G``."""
+    if num_layers % group_size:
+        raise ConfigError(f"group_size must divide num_layers={num_layers}, got {group_size}")
+    lay = KVLayout(num_layers, num_kv_heads, head_dim, _itemsize(dtype), 1, 1, group_size,
+                   split_kv, page_bytes)
+    waste = lay.num_ranges * (page_bytes - min(lay.token_bytes, page_bytes))
+    return LayoutReport(group_size, split_kv, lay.num_ranges, lay.token_bytes, lay.tokens_per_page,
+                        waste)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,134 @@
+"""Mapping physical pages into slot regions: grow, trim and scrub, one slot at a time.
+
+Not thread-safe on its own: :class:`~vattn.core.cache.VirtualKVCache` serialises access.
+Bookkeeping is per range, so a driver failure part way leaves an exact record of what is
+mapped (pages that were mapped stay owned by the slot; the page whose call failed goes back
+to the pool) and a later call simply continues.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .config import KVCacheConfig
+from .errors import DriverError
+from .layout import KVLayout
+from .metrics import Counters
+from .pages import PagePool
+
+__all__ = ["SlotPages"]
+
+
+class SlotPages:
+    """Which pool pages back which slot pages, in every range."""
+
+    def __init__(self, cfg: KVCacheConfig, layout: KVLayout, driver, pool: PagePool,
+                 bases: list[int], counters: Counters):
+        self.cfg, self.layout, self.driver, self.pool = cfg, layout, driver, pool
+        self.bases, self.counters = bases, counters
+        n = layout.num_va_slots
+        self.mapped: list[list[list[int]]] = [[[] for _ in bases] for _ in range(n)]
+        self.access: list[list[int]] = [[0] * len(bases) for _ in range(n)]
+        self.cap_tokens = np.zeros(n, dtype=np.int64)   # tokens backed by usable page-sets
+
+    def refresh(self, slot: int) -> None:
+        """Recompute ``cap_tokens[slot]`` after its pages changed."""
+        self.cap_tokens[slot] = self.layout.tokens_for(min(self.access[slot]))
+
+    def usable(self, slot: int) -> int:
+        """Page-sets of ``slot`` that are mapped and accessible in every range."""
+        return min(self.access[slot])
+
+    def held(self, slot: int) -> int:
+        """Pool pages ``slot`` holds (mapped, accessible or not)."""
+        return sum(len(pages) for pages in self.mapped[slot])
+
+    def missing(self, slot: int, num_sets: int) -> int:
+        """Pool pages still to map so ``slot`` has ``num_sets`` page-sets in every range."""
+        return sum(max(0, num_sets - len(pages)) for pages in self.mapped[slot])
+
+    def va(self, rng: int, slot: int, page: int) -> int:
+        return self.bases[rng] + self.layout.page_offset(slot, page)
+
+    def grow(self, slot: int, num_sets: int, tenant, *, ahead: bool) -> bool:
+        """Map page-sets until ``slot`` has ``num_sets`` usable ones; False if the pool is short.
+
+        Raises
+        ------
+        DriverError
+            A VMM call failed; the record stays exact and the call can be retried.
+        """
+        need = self.missing(slot, num_sets)
+        if need > self.pool.num_free:
+            return False
+        for rng in range(len(self.bases)):
+            self._grow_range(slot, rng, num_sets, tenant, ahead=ahead)
+        return True
+
+    def _grow_range(self, slot: int, rng: int, num_sets: int, tenant, *, ahead: bool) -> None:
+        pages, page_bytes = self.mapped[slot][rng], self.layout.page_bytes
+        while len(pages) < num_sets:
+            (pid,) = self.pool.take(1)
+            start = time.perf_counter()
+            try:
+                self.counters.map_calls += 1
+                self.driver.map(self.va(rng, slot, len(pages)), page_bytes, self.pool.handles[pid])
+            except DriverError:
+                self.pool.give([pid])
+                self.counters.driver_faults += 1
+                raise
+            pages.append(pid)
+            self.counters.map_page_us.observe((time.perf_counter() - start) * 1e6)
+            if ahead:
+                self.counters.pages_mapped_ahead += 1
+            else:
+                self.counters.pages_mapped_on_demand += 1
+        first = self.access[slot][rng]
+        if first < len(pages):
+            self.counters.set_access_calls += 1
+            try:
+                self.driver.set_access(self.va(rng, slot, first), (len(pages) - first) * page_bytes)
+            except DriverError:
+                self.counters.driver_faults += 1
+                raise
+            self.access[slot][rng] = len(pages)
+            self.refresh(slot)
+            self.scrub_pages(slot, rng, range(first, len(pages)), tenant)
+
+    def trim(self, slot: int, num_sets: int) -> int:
+        """Unmap page-sets beyond ``num_sets`` (the GPU must be done with them); returns pages freed."""
+        freed = 0
+        for rng, pages in enumerate(self.mapped[slot]):
+            while len(pages) > num_sets:
+                start = time.perf_counter()
+                self.counters.unmap_calls += 1
+                try:
+                    self.driver.unmap(self.va(rng, slot, len(pages) - 1), self.layout.page_bytes)
+                except DriverError:
+                    self.counters.driver_faults += 1
+                    raise
+                self.pool.give([pages.pop()])
+                self.access[slot][rng] = min(self.access[slot][rng], len(pages))
+                self.refresh(slot)
+                self.counters.unmap_page_us.observe((time.perf_counter() - start) * 1e6)
+                freed += 1
+        self.counters.pages_reclaimed += freed
+        return freed
+
+    def scrub_pages(self, slot: int, rng: int, indices, tenant) -> None:
+        """Zero the listed accessible pages whose tenant differs (policy permitting); tag them."""
+        policy, pages = self.cfg.scrub, self.mapped[slot][rng]
+        for i in indices:
+            pid = pages[i]
+            if policy == "always" or (policy == "tenant" and self.pool.tenant[pid] is not tenant
+                                      and self.pool.tenant[pid] != tenant):
+                self.driver.zero(self.va(rng, slot, i), self.layout.page_bytes)
+                self.counters.pages_scrubbed += 1
+            self.pool.tenant[pid] = tenant
+
+    def retag(self, slot: int, tenant) -> None:
+        """Hand every accessible page of ``slot`` to ``tenant`` (scrubbing per policy)."""
+        for rng in range(len(self.bases)):
+            self.scrub_pages(slot, rng, range(self.access[slot][rng]), tenant)

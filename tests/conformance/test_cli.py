@@ -1,0 +1,31 @@
+import argparse
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+
+def test_identity_run_writes_report(tmp_path):
+    from vattn.conformance import cli
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--workload", "identity", "--device", "cpu", "--out", str(tmp_path / "r"),
+                              "--models-dir", str(tmp_path / "m"), "--engine-option", "max_batch_tokens=256"])
+    assert cli.run(args) == 0
+    report = json.load(open(tmp_path / "r" / "conformance.json"))
+    assert report["identity"]["ok"] and report["identity"]["exact_match_rate"] == 1.0
+    assert report["degenerate_check"]["ok"]
+    assert (tmp_path / "r" / "conformance.md").exists()
+    assert "divergence.png" in report["plots"]
+
+
+def test_bad_engine_option_is_rejected(tmp_path, capsys):
+    from vattn.conformance import cli
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--workload", "identity", "--engine-option", "oops", "--out", str(tmp_path),
+                              "--models-dir", str(tmp_path / "m")])
+    assert cli.run(args) == 2
+    assert "KEY=VALUE" in capsys.readouterr().out

@@ -1,0 +1,19 @@
+import torch
+
+from vattn.core import KVCacheConfig, VirtualKVCache
+
+SMALL_PAGE = 64 << 10
+
+
+def small_config(device="cpu", **over) -> KVCacheConfig:
+    """A cache whose pages hold few tokens, so tests cross many page boundaries."""
+    page = SMALL_PAGE if device == "cpu" else None
+    base = dict(num_layers=4, num_kv_heads=2, head_dim=32, dtype=torch.float16, max_slots=6,
+                max_context=700, group_size=2, page_budget=(80 if device == "cpu" else 40) * (page or 2 << 20),
+                page_bytes=page, device=device, map_ahead_tokens=0)
+    base.update(over)
+    return KVCacheConfig(**base)
+
+
+def make_cache(device="cpu", driver=None, **over) -> VirtualKVCache:
+    return VirtualKVCache(small_config(device, **over), driver=driver)

@@ -1,0 +1,199 @@
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import devices
+from tests.core._util import make_cache
+from vattn.core import ConfigError, ContextLengthError, SlotError
+
+
+class ManualFence:
+    def __init__(self):
+        self.finished = False
+        self.waited = 0
+
+    def done(self):
+        return self.finished
+
+    def wait(self):
+        self.waited += 1
+        self.finished = True
+
+
+@pytest.mark.parametrize("device", devices())
+def test_views_read_back_what_was_written_across_pages(device):
+    with make_cache(device) as cache:
+        a, b = cache.acquire(tenant="a"), cache.acquire(tenant="b")
+        assert cache.ensure({a: 650, b: 97}) == []
+        k = cache.k(3)
+        assert k.shape == (7, cache.layout.rows_per_slot, 2, 32) and k.stride(-1) == 1
+        data = torch.randn(650, 2, 32, device=device).half()
+        k[a, :650] = data
+        cache.v(3)[b, :97] = 1
+        rows = cache.k_rows(3)
+        assert torch.equal(rows[a * cache.layout.rows_per_slot:][:650], data)
+        assert torch.equal(cache.k(3)[a, :650], data)                 # V of b did not touch K of a
+        assert cache.mapped_tokens(a) >= 650 and cache.length(a) == 650
+        cache.audit()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_warm_slot_reused_without_remapping_and_scrubbed_for_new_tenant(device):
+    with make_cache(device) as cache:
+        s = cache.acquire(tenant="a", expected_len=300)
+        cache.ensure({s: 300})
+        cache.k(0)[s, :300] = 5
+        mapped = cache.metrics()["map_calls"]
+        cache.release(s)
+        again = cache.acquire(tenant="b", expected_len=250)
+        assert again == s and cache.metrics()["warm_hits"] == 1
+        assert cache.ensure({s: 250}) == [] and cache.metrics()["map_calls"] == mapped
+        assert cache.k(0)[s, :300].abs().sum().item() == 0              # scrubbed: tenant changed
+        cache.k(0)[s, :250] = 3
+        cache.release(s)
+        same = cache.acquire(tenant="b", expected_len=10)
+        assert same == s and cache.k(0)[s, :250].float().mean().item() == 3   # same tenant: kept
+
+
+def test_scrub_never_and_always():
+    with make_cache(scrub="never") as cache:
+        s = cache.acquire(tenant="a"); cache.ensure({s: 100}); cache.k(0)[s, :100] = 2; cache.release(s)
+        assert cache.acquire(tenant="b") == s and cache.k(0)[s, :100].float().mean().item() == 2
+    with make_cache(scrub="always") as cache:
+        s = cache.acquire(tenant="a"); cache.ensure({s: 100}); cache.k(0)[s, :100] = 2; cache.release(s)
+        assert cache.acquire(tenant="a") == s and cache.k(0)[s, :100].abs().sum().item() == 0
+
+
+def test_best_fitting_warm_slot_is_preferred():
+    with make_cache() as cache:
+        small, big = cache.acquire(), cache.acquire()
+        cache.ensure({small: 40, big: 600})
+        cache.release(small); cache.release(big)
+        assert cache.acquire(expected_len=550) == big
+        assert cache.acquire(expected_len=30) == small
+
+
+def test_out_of_pages_is_reported_not_raised_and_reclaims_idle_first():
+    with make_cache(page_budget=24 * (64 << 10), max_context=2000) as cache:      # 24 pages: padding + 11 page-sets
+        per = cache.layout.tokens_per_page
+        a, b = cache.acquire(), cache.acquire()
+        assert cache.ensure({a: int(6 * per)}) == []
+        fence = ManualFence()
+        cache.release(a, fence=fence)
+        assert cache.ensure({b: int(10 * per)}) == []             # needs a's pages: waits on its fence
+        assert fence.waited == 1 and cache.metrics()["pages_reclaimed"] > 0
+        c = cache.acquire()
+        assert cache.ensure({c: int(5 * per)}) == [c]             # nothing left: shortfall
+        assert cache.metrics()["shortfalls"] == 1 and cache.mapped_tokens(c) == 0
+        assert not cache.can_fit(int(5 * per))
+        cache.audit()
+
+
+def test_reclaim_prefers_finished_fences():
+    with make_cache(page_budget=12 * (64 << 10)) as cache:
+        per = int(cache.layout.tokens_per_page)
+        a, b = cache.acquire(), cache.acquire()
+        cache.ensure({a: 2 * per, b: 2 * per})
+        busy, idle = ManualFence(), ManualFence()
+        idle.finished = True
+        cache.release(a, fence=busy); cache.release(b, fence=idle)
+        c = cache.acquire(expected_len=0)
+        assert cache.ensure({c: 3 * per}) == [] and busy.waited == 0
+        assert cache.capacity().reclaimable_pages >= 0
+
+
+def test_map_ahead_takes_mapping_off_the_critical_path():
+    with make_cache(map_ahead_tokens=256) as cache:
+        s = cache.acquire()
+        cache.step({s: 10}); cache.wait()
+        on_demand = cache.metrics()["pages_mapped_on_demand"]
+        for n in range(11, 260):
+            assert cache.step({s: n}) == []
+            cache.wait()
+        m = cache.metrics()
+        assert m["pages_mapped_on_demand"] == on_demand and m["pages_mapped_ahead"] > 0
+        assert cache.mapped_tokens(s) >= 259 + 1
+
+
+def test_slot_errors():
+    with make_cache() as cache:
+        with pytest.raises(SlotError, match=r"in \[0, 6\)"):
+            cache.release(6)
+        with pytest.raises(SlotError, match="not acquired"):
+            cache.ensure({2: 5})
+        s = cache.acquire()
+        cache.release(s)
+        with pytest.raises(SlotError, match="not acquired"):
+            cache.release(s)
+        with pytest.raises(SlotError, match="not acquired"):
+            cache.ensure({s: 5})
+        s = cache.acquire()
+        with pytest.raises(ContextLengthError, match="max_context=700"):
+            cache.ensure({s: 701})
+        with pytest.raises(ContextLengthError):
+            cache.acquire(expected_len=10_000)
+        with pytest.raises(SlotError, match="listed twice"):
+            cache.ensure(np.array([s, s]), np.array([1, 2]))
+        with pytest.raises(SlotError, match="1-D sequence of ints"):
+            cache.ensure([s], [1.5])
+        with pytest.raises(SlotError, match="equal sizes"):
+            cache.ensure([s], [1, 2])
+        for _ in range(5):
+            cache.acquire()
+        with pytest.raises(SlotError, match="all 6 slots are in use"):
+            cache.acquire()
+    with pytest.raises(SlotError, match="closed"):
+        cache.acquire()
+
+
+def test_config_that_cannot_fit():
+    with pytest.raises(ConfigError, match="virtual address"):
+        make_cache(max_slots=4096, max_context=1 << 24)
+    with pytest.raises(ConfigError, match="at least"):
+        make_cache(page_budget=2 * (64 << 10))
+
+
+def test_metrics_and_prometheus():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    with make_cache() as cache:
+        s = cache.acquire(); cache.ensure({s: 100})
+        m = cache.metrics()
+        assert m["pages_mapped"] == cache.layout.num_ranges * (1 + cache.layout.pages_for(100))
+        assert m["waste_bytes"] == cache.layout.waste_bytes(100)
+        assert m["map_page_us"]["count"] == m["map_calls"]
+        reg = prometheus_client.CollectorRegistry()
+        reg.register(cache.prometheus_collector())
+        assert reg.get_sample_value("vattn_pages_mapped") == m["pages_mapped"]
+
+
+@pytest.mark.parametrize("device", devices())
+def test_churn_under_map_ahead_reads_back_exactly(device):
+    """Many requests come and go while the worker maps ahead; kernels read back what was written."""
+    gen = torch.Generator().manual_seed(0)
+    with make_cache(device, map_ahead_tokens=64, max_context=600, page_budget=(120 if device == "cpu" else 60)
+                    * (64 << 10 if device == "cpu" else 2 << 20)) as cache:
+        rows_per, want = cache.layout.rows_per_slot, {}
+        live: dict[int, int] = {}
+        for step in range(300):
+            if len(live) < 6 and torch.rand(1, generator=gen).item() < 0.3:
+                live[cache.acquire(tenant=step % 3)] = 0
+            grow = {s: min(600, n + int(torch.randint(1, 40, (1,), generator=gen))) for s, n in live.items()}
+            failed = cache.step(grow)
+            for s, n in grow.items():
+                if s in failed:
+                    continue
+                rows = torch.arange(s * rows_per + live[s], s * rows_per + n, device=device)
+                vals = torch.randn(len(rows), 2, 32, generator=gen).half().to(device)
+                cache.k_rows(0).index_copy_(0, rows, vals)       # a kernel writes through the view
+                want[s] = torch.cat([want.get(s, vals[:0]), vals])
+                live[s] = n
+            for s in [s for s, n in live.items() if n >= 600 or s in failed]:
+                got = cache.k_rows(0).index_select(0, torch.arange(s * rows_per, s * rows_per + live[s], device=device))
+                assert torch.equal(got, want.pop(s)), f"slot {s} read back wrong data"
+                cache.release(s)
+                del live[s]
+        for s, n in live.items():
+            got = cache.k_rows(0).index_select(0, torch.arange(s * rows_per, s * rows_per + n, device=device))
+            assert torch.equal(got, want[s])
+        cache.audit()
+        assert cache.metrics()["pages_mapped_ahead"] > 0

@@ -1,0 +1,88 @@
+import pytest
+import torch
+
+from tests.conftest import devices
+from vattn.core import ConfigError, DriverError
+from vattn.core.driver import FaultInjector, HostDriver, get_driver
+from vattn.core.errors import InjectedFault
+
+PAGE = 64 << 10
+
+
+def _driver(device):
+    return HostDriver(granularity=PAGE) if device == "cpu" else get_driver(device)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_map_access_view_unmap_roundtrip(device):
+    drv = _driver(device)
+    g = drv.granularity
+    base = drv.reserve(4 * g)
+    view = drv.view(base, 4 * g)
+    handles = [drv.create(g) for _ in range(2)]
+    drv.map(base + g, g, handles[0]); drv.map(base + 2 * g, g, handles[1])
+    drv.set_access(base + g, 2 * g)                    # one call over a contiguous run
+    view[g:3 * g] = 7
+    drv.zero(base + g, g)
+    assert view[g:2 * g].sum().item() == 0 and view[2 * g:3 * g].float().mean().item() == 7
+    drv.unmap(base + 2 * g, g)
+    drv.map(base + 3 * g, g, handles[1])                # the same page at another address
+    drv.set_access(base + 3 * g, g)
+    assert view[3 * g:4 * g].float().mean().item() == 7   # physical content moved with the page
+    drv.unmap(base + g, g); drv.unmap(base + 3 * g, g)
+    for h in handles:
+        drv.release(h)
+    drv.free_va(base, 4 * g)
+
+
+def test_host_refuses_what_cuda_refuses():
+    drv = HostDriver(granularity=PAGE)
+    base = drv.reserve(2 * PAGE)
+    h = drv.create(PAGE)
+    with pytest.raises(DriverError, match="range not fully mapped"):
+        drv.set_access(base, PAGE)
+    drv.map(base, PAGE, h)
+    with pytest.raises(DriverError, match="already mapped"):
+        drv.map(base, PAGE, h)
+    with pytest.raises(DriverError, match="multiples"):
+        drv.map(base + 1, PAGE, h)
+    with pytest.raises(DriverError, match="still mapped"):
+        drv.release(h)
+    with pytest.raises(DriverError, match="pages still mapped"):
+        drv.free_va(base, 2 * PAGE)
+    with pytest.raises(DriverError, match="outside every reservation"):
+        drv.map(base + 8 * PAGE, PAGE, h)
+    with pytest.raises(DriverError, match="range not fully mapped"):
+        drv.unmap(base + PAGE, PAGE)
+    drv.unmap(base, PAGE); drv.release(h)
+    with pytest.raises(DriverError, match="unknown or released"):
+        drv.release(h)
+    drv.free_va(base, 2 * PAGE); drv.close()
+
+
+def test_error_names_call_and_arguments():
+    drv = HostDriver(granularity=PAGE)
+    with pytest.raises(DriverError) as info:
+        drv.reserve(PAGE + 1)
+    assert info.value.call == "reserve" and info.value.call_args == {"size": PAGE + 1}
+    assert "reserve(size=" in str(info.value)
+
+
+def test_fault_injector_fails_exactly_the_nth_call():
+    drv = FaultInjector(HostDriver(granularity=PAGE), fail={"create": 2})
+    drv.create(PAGE)
+    with pytest.raises(InjectedFault, match="call_number"):
+        drv.create(PAGE)
+    drv.create(PAGE)
+    assert drv.calls["create"] == 3
+    with pytest.raises(ValueError, match="cannot inject"):
+        drv.arm("frobnicate", 1)
+
+
+def test_get_driver_validates_backend_and_device():
+    with pytest.raises(ConfigError, match="backend must be"):
+        get_driver("cpu", backend="opencl")
+    with pytest.raises(ConfigError, match="host backend serves"):
+        get_driver(torch.device("cuda"), backend="host")
+    with pytest.raises(ConfigError, match="cuda backend serves"):
+        get_driver("cpu", backend="cuda")
