@@ -82,6 +82,15 @@ def _shape(args) -> tuple[int, int, int, int]:
     return (32, 8, 128, 4) if args.device.startswith("cuda") else (4, 2, 64, 2)
 
 
+def _gpu_step(device: torch.device, ms: float) -> None:
+    """Stand-in for a decode step's kernels: a GPU busy kernel and a synchronize, as an engine does."""
+    if device.type == "cuda":
+        torch.cuda._sleep(int(ms * 1.4e6))         # ~clock cycles per ms on a 1.4-2 GHz SM clock
+        torch.cuda.synchronize(device)
+    else:
+        time.sleep(ms / 1e3)
+
+
 def decode_loop(args, batch: int, *, map_ahead: int) -> dict:
     """Simulated decode: every step each running slot grows by one token; GPU time is a sleep.
 
@@ -113,7 +122,7 @@ def decode_loop(args, batch: int, *, map_ahead: int) -> dict:
             per_step.append(time.perf_counter() - t0)
             if failed:
                 raise RuntimeError(f"benchmark budget too small: {len(failed)} slots failed")
-            time.sleep(args.step_ms / 1e3)           # the GPU computes; the worker maps meanwhile
+            _gpu_step(cache.driver.device, args.step_ms)   # the GPU computes; the worker maps meanwhile
         m = cache.metrics()
     per_step.sort()
     return {"batch": batch, "map_ahead_tokens": map_ahead, "steps": args.steps,

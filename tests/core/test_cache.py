@@ -52,7 +52,7 @@ def test_warm_slot_reused_without_remapping_and_scrubbed_for_new_tenant(device):
         cache.k(0)[s, :250] = 3
         cache.release(s)
         same = cache.acquire(tenant="b", expected_len=10)
-        assert same == s and cache.k(0)[s, :250].float().mean().item() == 3   # same tenant: kept
+        assert same == s and bool((cache.k(0)[s, :250] == 3).all())   # same tenant: kept
 
 
 def test_scrub_never_and_always():
@@ -170,8 +170,8 @@ def test_metrics_and_prometheus():
 def test_churn_under_map_ahead_reads_back_exactly(device):
     """Many requests come and go while the worker maps ahead; kernels read back what was written."""
     gen = torch.Generator().manual_seed(0)
-    with make_cache(device, map_ahead_tokens=64, max_context=600, page_budget=(120 if device == "cpu" else 60)
-                    * (64 << 10 if device == "cpu" else 2 << 20)) as cache:
+    with make_cache(device, map_ahead_tokens=64, max_context=600, num_kv_heads=8, head_dim=128,
+                    page_budget=(120 if device == "cpu" else 40) * (64 << 10 if device == "cpu" else 2 << 20)) as cache:
         rows_per, want = cache.layout.rows_per_slot, {}
         live: dict[int, int] = {}
         for step in range(300):
@@ -183,13 +183,13 @@ def test_churn_under_map_ahead_reads_back_exactly(device):
                 if s in failed:
                     continue
                 rows = torch.arange(s * rows_per + live[s], s * rows_per + n, device=device)
-                vals = torch.randn(len(rows), 2, 32, generator=gen).half().to(device)
+                vals = torch.randn(len(rows), 8, 128, generator=gen).half().to(device)
                 cache.k_rows(0).index_copy_(0, rows, vals)       # a kernel writes through the view
                 want[s] = torch.cat([want.get(s, vals[:0]), vals])
                 live[s] = n
             for s in [s for s, n in live.items() if n >= 600 or s in failed]:
                 got = cache.k_rows(0).index_select(0, torch.arange(s * rows_per, s * rows_per + live[s], device=device))
-                assert torch.equal(got, want.pop(s)), f"slot {s} read back wrong data"
+                assert torch.equal(got, want.pop(s, got[:0])), f"slot {s} read back wrong data"
                 cache.release(s)
                 del live[s]
         for s, n in live.items():

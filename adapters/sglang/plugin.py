@@ -1,0 +1,44 @@
+"""SGLang plugin entry point (group ``sglang.srt.plugins``): registers ``--attention-backend vattn``.
+
+pyproject::
+
+    [project.entry-points."sglang.srt.plugins"]
+    vattn = "vattn.adapters.sglang.plugin:register"
+"""
+
+from __future__ import annotations
+
+from vattn.core.errors import ConfigError
+
+from .version import check_version
+
+BACKEND_NAME = "vattn"
+
+
+def register() -> None:
+    """Check the SGLang version, then register the ``vattn`` attention backend and CLI choice."""
+    check_version()
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+    register_attention_backend(BACKEND_NAME)(create_vattn_backend)
+
+
+def create_vattn_backend(runner):
+    """Backend factory SGLang calls with its ``ModelRunner``."""
+    check_server_args(runner.server_args)
+    from .backend import VattnAttnBackend
+
+    return VattnAttnBackend(runner)
+
+
+def check_server_args(server_args) -> None:
+    """Refuse settings the adapter does not support yet (radix cache, paged pages > 1)."""
+    if not getattr(server_args, "disable_radix_cache", False):
+        raise ConfigError("--attention-backend vattn needs --disable-radix-cache "
+                          "(prefix sharing is not supported yet)")
+    page_size = getattr(server_args, "page_size", 1) or 1
+    if page_size != 1:
+        raise ConfigError(f"--attention-backend vattn needs --page-size 1, got {page_size}")
