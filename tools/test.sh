@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite: core, ops, conformance and adapters in .venv; then each engine that needs
-# its own environment (VATTN_ENGINES, default "vllm sglang"; set it empty to skip them).
+# its own environment (VATTN_ENGINES, default "vllm"; set it empty to skip them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 .venv/bin/python -m pytest "$@"
-for engine in ${VATTN_ENGINES-vllm sglang}; do
+for engine in ${VATTN_ENGINES-vllm}; do
   echo "== $engine tests in their own environment"
   bash "tools/engine_env.sh" "$engine"
   ".venvs/$engine/bin/python" -m pytest -q "tests/adapters/$engine"
