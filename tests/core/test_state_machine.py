@@ -93,10 +93,10 @@ def _run(examples: int, steps: int) -> int:
 
 def test_state_machine_1e5_operations():
     n = int(os.environ.get("VATTN_SM_STEPS", 100_000))
-    ran = _run(examples=n // 100 + 1, steps=100)
+    ran = _run(examples=n * 3 // 200 + 1, steps=100)  # hypothesis ends some runs early
     assert ran >= n, f"only {ran} operations ran"
 
 
 @pytest.mark.slow
 def test_state_machine_1e6_operations():
-    assert _run(examples=10_001, steps=100) >= 1_000_000
+    assert _run(examples=15_001, steps=100) >= 1_000_000
