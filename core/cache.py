@@ -212,9 +212,9 @@ class VirtualKVCache:
             failed = []
             if short.any():
                 failed = self._ensure_slow(slots[short].tolist(), lens[short].tolist(), set(slots.tolist()))
-            ok = slots if not failed else slots[~np.isin(slots, failed)]
-            ok_lens = lens if not failed else lens[~np.isin(slots, failed)]
-            self._length[ok] = np.maximum(self._length[ok], ok_lens)   # slots are distinct
+            keep = ~np.isin(slots, failed) if failed else slice(None)
+            ok = slots[keep]
+            self._length[ok] = np.maximum(self._length[ok], lens[keep])   # slots are distinct
             self._counters.shortfalls += len(failed)
         self._counters.ensure_us.observe((time.perf_counter() - start) * 1e6)
         return failed
