@@ -92,14 +92,16 @@ def _time_op(op, k, v, slots, batch, ctx, hq, dtype, device):
     dim = k.shape[-1]
     be = resolve_backend(op, device=device, dtype=dtype, head_dim=dim)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    s32 = slots.to(torch.int32)     # per-step metadata built once, as for the paged baseline
     if op == "decode":
         q = torch.randn(batch, hq, dim, device=device).to(dtype)
-        fn = lambda: decode(q, k, v, slots=slots, seqlens=lens, max_seqlen_k=ctx, backend=be)
         cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        fn = lambda: decode(q, k, v, slots=s32, seqlens=lens, max_seqlen_k=ctx, backend=be,
+                            cu_seqlens_q=cu)
     else:
         q = torch.randn(batch * ctx, hq, dim, device=device).to(dtype)
         cu = torch.arange(batch + 1, dtype=torch.int32, device=device) * ctx
-        fn = lambda: prefill(q, k, v, cu_seqlens_q=cu, slots=slots, seqlens_k=lens,
+        fn = lambda: prefill(q, k, v, cu_seqlens_q=cu, slots=s32, seqlens_k=lens,
                              max_seqlen_q=ctx, max_seqlen_k=ctx, backend=be)
     us = {be: bench_us(fn, device=device)}
     paged = {}

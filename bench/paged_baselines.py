@@ -94,10 +94,22 @@ def _flashinfer_paged(paged: PagedKV, q, seqlens, scale):
     return lambda: wrapper.run(q, (paged.k, paged.v))
 
 
-def bench_us(fn, *, device: torch.device) -> float:
-    """Median microseconds of ``fn()``: ``triton.testing.do_bench`` on CUDA, perf_counter on CPU."""
+def bench_us(fn, *, device: torch.device, graph: bool = True) -> float:
+    """Median microseconds of ``fn()`` on the device (perf_counter on CPU).
+
+    On CUDA ``graph=True`` (the default) replays ``fn`` from a CUDA graph
+    (``triton.testing.do_bench_cudagraph``): kernel time without Python launch overhead, which is
+    how engines run decode. A call that cannot be captured falls back to eager ``do_bench``.
+    """
     if torch.device(device).type == "cuda":
         import triton.testing
+        fn()                                    # compile / autotune outside any capture
+        torch.cuda.synchronize(device)
+        if graph:
+            try:
+                return float(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")) * 1e3
+            except RuntimeError:
+                torch.cuda.synchronize(device)
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3
     fn()
     times = []

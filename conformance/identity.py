@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 from .protocol import RunResult
 
-__all__ = ["IdentityReport", "compare"]
+__all__ = ["IdentityReport", "compare", "fill_divergence_logprobs"]
 
 
 @dataclass
@@ -93,3 +93,35 @@ def _tie_gap(base: RunResult, cand: RunResult, i: int, pos: int) -> float | None
     if tb not in la or ta not in lb:
         return None
     return max(abs(la[ta] - la[tb]), abs(lb[tb] - lb[ta]))
+
+
+def fill_divergence_logprobs(runner, prompts: list[list[int]], results: dict[str, RunResult],
+                             baseline: str, *, k: int = 5) -> int:
+    """Put top-``k`` log-probs at each first divergence, for engines that return fewer.
+
+    Uses the runner's optional ``topk_logprobs(prompt_ids, k) -> {token: logprob}`` (a plain
+    forward of the baseline model on the prompt plus the common prefix). Both sides share that
+    prefix, so the one distribution is stored in both runs at that position; :func:`compare` then
+    accepts the divergence only if each chosen token is in it within ``max_gap``.
+
+    Returns
+    -------
+    int
+        How many positions were filled (0 when the runner has no ``topk_logprobs``).
+    """
+    topk = getattr(runner, "topk_logprobs", None)
+    base = results[baseline]
+    if topk is None or base.logprobs is None:
+        return 0
+    filled: dict[tuple[int, int], dict] = {}
+    for mode, cand in results.items():
+        if mode == baseline or cand.logprobs is None:
+            continue
+        for i, (a, b) in enumerate(zip(base.token_ids, cand.token_ids)):
+            pos = _first_divergence(a, b)
+            if pos is None or pos >= min(len(a), len(b)):
+                continue
+            if (i, pos) not in filled:
+                filled[i, pos] = topk(list(prompts[i]) + list(a[:pos]), k)
+            base.logprobs[i][pos] = cand.logprobs[i][pos] = filled[i, pos]
+    return len(filled)

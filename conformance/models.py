@@ -2,7 +2,9 @@
 
 Every engine loads the same ``config.json`` + ``model.safetensors`` (a
 ``LlamaForCausalLM``), initialised with ``std = initializer_range = 0.02`` so
-outputs depend on the prompt (vLLM's ``load_format="dummy"`` does not).
+outputs depend on the prompt (vLLM's ``load_format="dummy"`` does not). An engine that builds
+its model in-process (transformers) may skip the file: :func:`instantiate` draws the same seeded
+weights directly on the device (an 8B-shaped file is 16 GB to write and read back).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 
 from vattn.core.errors import ConfigError, UnsupportedError
 
-__all__ = ["PRESETS", "build_model", "check_not_degenerate", "model_shape", "random_prompts"]
+__all__ = ["PRESETS", "build_model", "instantiate", "saved_weights", "check_not_degenerate", "model_shape",
+           "random_prompts"]
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -24,6 +27,7 @@ PRESETS: dict[str, dict] = {
                             num_key_value_heads=8, head_dim=128, intermediate_size=14336,
                             vocab_size=128256, max_position_embeddings=32768 + 1024, rope_theta=500000.0),
 }
+STAMP = "vattn_model.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -44,8 +48,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def build_model(preset_or_config: str | dict, out_dir: str, *, seed: int = 0,
-                dtype: str = "float32", device: str = "cpu") -> str:
-    """Write ``config.json`` + ``model.safetensors`` of a random Llama to ``out_dir``.
+                dtype: str = "float32", device: str = "cpu", save_weights: bool = True,
+                num_layers: int | None = None) -> str:
+    """Write ``config.json`` (+ ``model.safetensors``) of a random Llama to ``out_dir``.
 
     Parameters
     ----------
@@ -54,11 +59,16 @@ def build_model(preset_or_config: str | dict, out_dir: str, *, seed: int = 0,
     out_dir
         Created if missing; an existing model with the same config and seed is reused.
     seed
-        Seed of the weight init (same seed -> same weights on every machine).
+        Seed of the weight init (same seed and device -> same weights).
     dtype
-        ``"float32"``, ``"bfloat16"`` or ``"float16"``: dtype of the saved weights.
+        ``"float32"``, ``"bfloat16"`` or ``"float16"``: dtype of the weights.
     device
         Where to run the init (``"cuda"`` makes an 8B-shaped init take seconds).
+    save_weights
+        ``False`` writes only the config and a stamp: loaders then call :func:`instantiate`, which
+        builds the same seeded weights directly on their device (no multi-GB file written or read).
+    num_layers
+        Overrides ``num_hidden_layers`` (e.g. an 8-layer Llama-3-8B shape).
 
     Returns
     -------
@@ -66,29 +76,55 @@ def build_model(preset_or_config: str | dict, out_dir: str, *, seed: int = 0,
         ``out_dir``.
     """
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-        from safetensors.torch import save_file
+        from transformers import LlamaConfig
     except ImportError as exc:
-        raise UnsupportedError(f"building a model needs transformers and safetensors: {exc}") from exc
+        raise UnsupportedError(f"building a model needs transformers: {exc}") from exc
     fields = _fields(preset_or_config)
-    stamp = json.dumps({"fields": fields, "seed": seed, "dtype": dtype}, sort_keys=True)
-    stamp_path = os.path.join(out_dir, "vattn_model.json")
+    if num_layers is not None:
+        fields["num_hidden_layers"] = int(num_layers)
+    meta = {"fields": fields, "seed": seed, "dtype": dtype, "init": "normal_(0, 0.02) v2",
+            "weights": "safetensors" if save_weights else "instantiate"}
+    stamp = json.dumps(meta, sort_keys=True)
+    stamp_path = os.path.join(out_dir, STAMP)
     if os.path.exists(stamp_path) and open(stamp_path).read() == stamp:
         return out_dir
     os.makedirs(out_dir, exist_ok=True)
     config = LlamaConfig(**fields, initializer_range=0.02, tie_word_embeddings=False,
                          bos_token_id=None, eos_token_id=None, pad_token_id=None)
     config.dtype = dtype
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch_dtype(dtype))
-    _rescale(model, seed=seed)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(out_dir)
+    if save_weights:
+        from safetensors.torch import save_file
+        model = instantiate(out_dir, device=device, dtype=dtype, seed=seed)
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(stamp_path, "w") as f:
         f.write(stamp)
     return out_dir
+
+
+def instantiate(model_dir: str, *, device: str, dtype: str, seed: int | None = None,
+                attn_implementation: str = "paged|sdpa"):
+    """Build the random ``LlamaForCausalLM`` of ``model_dir`` in place on ``device`` (no file read).
+
+    The weights are drawn on ``device`` in ``dtype`` (``seed`` defaults to the stamp's), so two
+    calls give the same model; a saved ``model.safetensors`` holds exactly these weights.
+    """
+    from transformers import AutoConfig, LlamaForCausalLM
+    if seed is None:
+        with open(os.path.join(model_dir, STAMP)) as f:
+            seed = json.load(f)["seed"]
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=torch_dtype(dtype),
+                                              attn_implementation=attn_implementation)
+    _init_weights(model, seed=seed)
+    return model.eval()
+
+
+def saved_weights(model_dir: str) -> bool:
+    """Whether ``model_dir`` holds weights on disk (else load it with :func:`instantiate`)."""
+    return os.path.exists(os.path.join(model_dir, "model.safetensors"))
 
 
 def _fields(preset_or_config) -> dict:
@@ -101,15 +137,15 @@ def _fields(preset_or_config) -> dict:
 
 
 @torch.no_grad()
-def _rescale(model, *, seed: int) -> None:
-    """Normal(0, 0.02) on every matrix, ones on norms, whatever the library's init did."""
+def _init_weights(model, *, seed: int) -> None:
+    """Normal(0, 0.02) on every matrix, ones on norms, in place, whatever the library's init did."""
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)  # weights depend on the init device
     for _, param in model.named_parameters():
         if param.dim() == 1:
             param.fill_(1.0)
         else:
-            param.copy_(torch.randn(param.shape, generator=gen, device=device) * 0.02)
+            param.normal_(0.0, 0.02, generator=gen)
 
 
 def model_shape(model_dir: str) -> ModelShape:

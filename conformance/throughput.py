@@ -13,7 +13,7 @@ def run_modes(runner: EngineRunner, workload: Workload, model_dir: str, *, devic
     """Run ``workload`` on every mode of ``runner``; keep the fastest of ``repeats`` runs.
 
     Modes alternate within each repeat (stock, vattn, stock, vattn, ...) so drift hits both.
-    ``progress`` is an optional tqdm bar advanced once per run.
+    ``progress`` is an optional tqdm bar advanced once per run (a line is written per run).
     """
     best: dict[str, RunResult] = {}
     for _ in range(repeats):
@@ -24,6 +24,9 @@ def run_modes(runner: EngineRunner, workload: Workload, model_dir: str, *, devic
             if mode not in best or result.seconds < best[mode].seconds:
                 best[mode] = result
             if progress is not None:
+                if hasattr(progress, "write"):
+                    progress.write(f"[conformance] {workload.name} {mode}: {result.seconds:.2f} s, "
+                                   f"{result.num_generated_tokens} generated tokens")
                 progress.update(1)
     return best
 

@@ -32,7 +32,8 @@ class Workload:
 
 
 def make_workload(name: str, *, size: str, vocab_size: int, seed: int = 0,
-                  max_context: int | None = None, rate: float | None = None) -> Workload:
+                  max_context: int | None = None, rate: float | None = None,
+                  num: int | None = None) -> Workload:
     """Build a seeded workload.
 
     Parameters
@@ -47,12 +48,17 @@ def make_workload(name: str, *, size: str, vocab_size: int, seed: int = 0,
         Caps prompt + output length (the model's max position).
     rate
         Poisson arrival rate in requests/s (``poisson`` only; default: a size-based rate).
+    num
+        Number of prompts (default: the size's); lengths and output length stay the size's.
     """
     if name not in WORKLOADS:
         raise ConfigError(f"unknown workload {name!r}: expected one of {WORKLOADS}")
     if size not in SIZES:
         raise ConfigError(f"size must be one of {SIZES}, got {size!r}")
-    num, (lo, hi), out = _SPECS[size][name]
+    default_num, (lo, hi), out = _SPECS[size][name]
+    num = default_num if num is None else int(num)
+    if num < 1:
+        raise ConfigError(f"num must be >= 1, got {num}")
     if max_context is not None:
         hi = min(hi, max_context - out)
         lo = min(lo, hi)

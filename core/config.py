@@ -8,8 +8,13 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["KVCacheConfig", "SCRUB_POLICIES"]
+__all__ = ["KVCacheConfig", "SCRUB_POLICIES", "MAX_AUTO_RANGES", "auto_group_size"]
 
+#: ``group_size=None`` picks the smallest group giving at most this many VA ranges, so a request
+#: wastes at most this many partly filled pages (16 MiB with 2 MiB pages). Measured on the H200
+#: (BENCHMARKS.md, layout sweep, Llama-3-8B): G=4 and G=8 decode within 1-2 % of paged and of the
+#: per-layer layout, prefill 1.05-1.08x paged; G=32 (one range) is up to 11 % slower.
+MAX_AUTO_RANGES = 8
 SCRUB_POLICIES = ("tenant", "always", "never")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2,
            torch.uint8, torch.int8)
@@ -29,8 +34,9 @@ class KVCacheConfig:
         Concurrent requests; slot ids are ``0 .. max_slots - 1``.
     max_context : int
         Tokens one slot can hold.
-    group_size : int
+    group_size : int | None
         Layers sharing one VA range (decision 2 of the design notes); must divide ``num_layers``.
+        ``None`` (default): :func:`auto_group_size` (``4`` for 32 layers, ``1`` up to 8 layers).
     split_kv : bool
         K and V in separate ranges (the paper's per-layer layout); only with ``group_size=1``.
     page_budget : int | float
@@ -51,7 +57,7 @@ class KVCacheConfig:
     dtype: torch.dtype = torch.bfloat16
     max_slots: int
     max_context: int
-    group_size: int = 1
+    group_size: int | None = None
     split_kv: bool = False
     page_budget: int | float = 0.9
     page_bytes: int | None = None
@@ -60,6 +66,8 @@ class KVCacheConfig:
     map_ahead_tokens: int = 256
 
     def __post_init__(self):
+        if self.group_size is None and isinstance(self.num_layers, int) and self.num_layers > 0:
+            object.__setattr__(self, "group_size", auto_group_size(self.num_layers, self.split_kv))
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_slots", "max_context", "group_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -87,6 +95,14 @@ class KVCacheConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+
+def auto_group_size(num_layers: int, split_kv: bool = False) -> int:
+    """Smallest divisor ``G`` of ``num_layers`` with ``num_layers / G <= MAX_AUTO_RANGES`` (1 if split)."""
+    if split_kv:
+        return 1
+    return next(g for g in range(1, num_layers + 1)
+                if num_layers % g == 0 and num_layers // g <= MAX_AUTO_RANGES)
 
 
 def _check_budget(budget) -> None:

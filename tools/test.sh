@@ -5,7 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 .venv/bin/python -m pytest "$@"
-for engine in ${VATTN_ENGINES-vllm}; do
+echo "== Triton kernels on the CPU interpreter"
+TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/core -k interpreter
+for engine in ${VATTN_ENGINES-vllm sglang}; do
   echo "== $engine tests in their own environment"
   bash "tools/engine_env.sh" "$engine"
   ".venvs/$engine/bin/python" -m pytest -q "tests/adapters/$engine"

@@ -1,112 +1,165 @@
-"""Request-granular token allocator: SGLang token indices backed by vattn slots.
+"""SGLang token allocator backed by vattn slots: ``index = slot * C + position``.
 
-A request (SGLang ``req_pool_idx``) gets one vattn slot on its first extend; its token ``t`` has
-index ``slot * C + t``. Allocating for extend/decode maps the pages that cover the new tokens
-(``VirtualKVCache.ensure``/``step``); freeing a request releases its slot (the release records a
-fence: pages are unmapped only after the GPU finished with them, and only under pressure).
-``available_size`` reports what the physical page pool can still hold, so SGLang's admission
-control sees real capacity, not the virtual reservation.
+SGLang's scheduler allocates KV through its *paged* allocator interface whenever
+``page_size > 1`` (``alloc_for_extend`` → ``alloc_extend``, ``alloc_for_decode`` →
+``alloc_decode``); those calls carry each request's prefix/sequence lengths and ``last_loc``
+(the index of its last stored token), which is all vattn needs: a request continuing from
+``last_loc`` lives in slot ``last_loc // C``; a fresh one (``last_loc == -1``) acquires a slot.
+Allocating maps the pages covering the new tokens (``VirtualKVCache.ensure`` / ``step``).
+``free`` releases a request's slot when its position 0 is freed (the core records a fence: pages
+are unmapped only after the device finished with them, and only under memory pressure).
+``available_size`` reports what the *physical* page pool can still hold, so admission control
+sees real capacity, not the virtual reservation.
+
+All methods are host-side and may synchronize (they read ``last_loc`` / indices on the host).
 """
 
 from __future__ import annotations
 
 import torch
+from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
-from vattn.core.errors import ConfigError, SlotError
+from vattn.core.errors import ConfigError, SlotError, UnsupportedError
 
 from .pool import PAD_SLOT, VattnMHATokenToKVPool
 
 
-class VattnTokenAllocator:
-    """Allocate SGLang token indices per request on a :class:`VattnMHATokenToKVPool`.
+class VattnTokenAllocator(BaseTokenToKVPoolAllocator):
+    """SGLang ``BaseTokenToKVPoolAllocator`` over a :class:`VattnMHATokenToKVPool`.
 
     Parameters
     ----------
     pool : VattnMHATokenToKVPool
-        The pool whose ``req_slots`` table this allocator keeps current.
+        The KV pool (its ``page_size`` must be > 1 so SGLang uses the paged interface).
     tenant_of : callable, optional
-        ``req_pool_idx -> tenant`` used for scrubbing on slot reuse (default: one tenant).
+        ``() -> tenant`` of a request being admitted, for scrubbing on slot reuse (SGLang's
+        allocator calls carry no request object; default: one tenant).
     """
 
     def __init__(self, pool: VattnMHATokenToKVPool, *, tenant_of=None):
         if not isinstance(pool, VattnMHATokenToKVPool):
             raise ConfigError(f"VattnTokenAllocator needs a VattnMHATokenToKVPool, got "
                               f"{type(pool).__name__}")
-        self.pool = pool
+        if pool.page_size < 2:
+            raise ConfigError("VattnTokenAllocator needs SGLang page_size > 1 (its paged "
+                              f"interface carries request lengths), got {pool.page_size}")
+        super().__init__(pool.size, pool.page_size, pool.dtype, pool.device, pool,
+                         need_sort=False)
         self.cache = pool.vattn_cache
         self.rows_per_slot = pool.rows_per_slot
-        self.device = pool.req_slots.device
         self._tenant_of = tenant_of
-        self._slot_of: dict[int, int] = {}
+        self._live: set[int] = set()
+        self.clear()
 
     # -- queries -------------------------------------------------------------------------------
     def available_size(self) -> int:
-        """Tokens the free + reclaimable physical pages can still hold."""
-        return int(self.cache.capacity().free_tokens)
+        """Tokens the free + reclaimable physical pages can still hold (page-aligned).
 
-    def slot_of(self, req_pool_idx: int) -> int:
-        """vattn slot of a live request."""
-        try:
-            return self._slot_of[int(req_pool_idx)]
-        except KeyError:
-            raise SlotError(f"request {req_pool_idx} holds no vattn slot") from None
+        A page-set serves one slot, so it counts at most ``max_context`` tokens.
+        """
+        cap = self.cache.capacity()
+        free = min(int(cap.free_tokens), cap.free_page_sets * self.cache.config.max_context)
+        return free - free % self.page_size
 
-    # -- allocation (host side) ----------------------------------------------------------------
-    def alloc_extend(self, req_pool_indices, prefix_lens, seq_lens) -> torch.Tensor | None:
+    def live_slots(self) -> frozenset:
+        """vattn slots held by running requests."""
+        return frozenset(self._live)
+
+    # -- SGLang's allocator interface ----------------------------------------------------------
+    def clear(self) -> None:
+        """Release every request's slot (SGLang calls this on flush/reset)."""
+        for slot in list(getattr(self, "_live", ())):
+            self._release(slot)
+        self.free_pages = torch.empty(0, dtype=torch.int64)
+        self.release_pages = torch.empty(0, dtype=torch.int64)
+        self.is_not_in_free_group, self.free_group = True, []
+
+    def alloc(self, need_size: int):
+        raise UnsupportedError("vattn allocates per request: SGLang must run with page_size > 1 "
+                               "(alloc_extend / alloc_decode), not the token allocator")
+
+    def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
+                     extend_num_tokens, **kwargs) -> torch.Tensor | None:
         """Indices for positions ``prefix_lens[i] .. seq_lens[i]-1`` of each request.
 
         Parameters
         ----------
-        req_pool_indices, prefix_lens, seq_lens : sequence of int
-            One entry per request (host values).
+        prefix_lens, seq_lens : torch.Tensor
+            ``[B]`` device copies (unused: the host copies are read).
+        prefix_lens_cpu, seq_lens_cpu : torch.Tensor
+            ``[B]`` int64 host tensors.
+        last_loc : torch.Tensor
+            ``[B]`` index of each request's last stored token, ``-1`` for a new request.
+        extend_num_tokens : int
+            ``sum(seq_lens - prefix_lens)``.
 
         Returns
         -------
         torch.Tensor or None
-            ``[sum(seq_lens - prefix_lens)]`` int64 token indices, requests concatenated; ``None``
-            when pages ran out (SGLang's out-of-memory convention: the caller retracts/preempts).
-            Slots acquired by this call are released again on failure.
+            ``[extend_num_tokens]`` int64 on the pool device, requests concatenated; ``None``
+            when pages ran out (SGLang's convention); slots acquired by this call are then
+            released again.
         """
-        reqs = [int(r) for r in req_pool_indices]
-        fresh = [r for r in reqs if r not in self._slot_of]
-        for r, n in zip(reqs, seq_lens):
-            if r not in self._slot_of:
-                tenant = self._tenant_of(r) if self._tenant_of else None
-                self._bind(r, self.cache.acquire(tenant=tenant, expected_len=int(n)))
-        if self.cache.ensure({self._slot_of[r]: int(n) for r, n in zip(reqs, seq_lens)}):
-            for r in fresh:
-                self.free_request(r)
+        prefix, seq = prefix_lens_cpu.tolist(), seq_lens_cpu.tolist()
+        slots, fresh = [], []
+        for last, p, n in zip(last_loc.tolist(), prefix, seq):
+            if p > 0:
+                slots.append(self._slot_at(last, p - 1))
+                continue
+            tenant = self._tenant_of() if self._tenant_of else None
+            slots.append(self.cache.acquire(tenant=tenant, expected_len=int(n)))
+            self._live.add(slots[-1])
+            fresh.append(slots[-1])
+        if self.cache.ensure(dict(zip(slots, seq))):
+            for slot in fresh:
+                self._release(slot)
             return None
-        return self._locs(reqs, prefix_lens, seq_lens)
+        return self._locs(slots, prefix, seq)
 
-    def alloc_decode(self, req_pool_indices, seq_lens) -> torch.Tensor | None:
-        """Index of position ``seq_lens[i] - 1`` (the new token) of each request; ``None`` if OOM."""
-        reqs = [int(r) for r in req_pool_indices]
-        if self.cache.step({self.slot_of(r): int(n) for r, n in zip(reqs, seq_lens)}):
+    def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc, **kwargs) -> torch.Tensor | None:
+        """Index of position ``seq_lens[i] - 1`` (the new token) of each request.
+
+        ``seq_lens_cpu`` already counts the new token; ``last_loc`` is the index of position
+        ``seq_lens[i] - 2``. Returns ``[B]`` int64, or ``None`` when pages ran out.
+        """
+        seq = seq_lens_cpu.tolist()
+        slots = [self._slot_at(last, n - 2) for last, n in zip(last_loc.tolist(), seq)]
+        if self.cache.step(dict(zip(slots, seq))):
             return None
-        return self._locs(reqs, [int(n) - 1 for n in seq_lens], seq_lens)
-
-    def free_request(self, req_pool_idx: int) -> None:
-        """Release a finished/retracted request's slot (event-fenced by the core)."""
-        slot = self._slot_of.pop(int(req_pool_idx), None)
-        if slot is None:
-            raise SlotError(f"request {req_pool_idx} holds no vattn slot (double free?)")
-        self.pool.req_slots[int(req_pool_idx)] = PAD_SLOT
-        self.cache.release(slot)
+        return self._locs(slots, [n - 1 for n in seq], seq)
 
     def free(self, free_index: torch.Tensor) -> None:
-        """SGLang-style free by token indices: releases every slot those indices belong to."""
-        slots = set(torch.unique(free_index.long() // self.rows_per_slot).tolist()) - {PAD_SLOT}
-        for req in [r for r, s in self._slot_of.items() if s in slots]:
-            self.free_request(req)
+        """Free token indices; a request's slot is released when its position 0 is freed.
+
+        Freeing only a tail (speculative over-allocation) keeps the slot and its pages.
+        """
+        if free_index.numel() == 0:
+            return
+        if not self.is_not_in_free_group:
+            self.free_group.append(free_index)
+            return
+        idx = free_index.long().cpu()
+        heads = idx[idx % self.rows_per_slot == 0] // self.rows_per_slot
+        for slot in sorted(set(heads.tolist()) - {PAD_SLOT}):
+            if slot not in self._live:
+                raise SlotError(f"free of slot {slot}'s position 0, but it holds no request "
+                                "(double free?)")
+            self._release(slot)
 
     # -- helpers -------------------------------------------------------------------------------
-    def _bind(self, req: int, slot: int) -> None:
-        self._slot_of[req] = slot
-        self.pool.req_slots[req] = slot
+    def _slot_at(self, loc: int, position: int) -> int:
+        slot, row = divmod(int(loc), self.rows_per_slot)
+        if slot not in self._live or row != position:
+            raise SlotError(f"token index {loc} is not position {position} of a live vattn "
+                            f"slot (C={self.rows_per_slot}, live={sorted(self._live)})")
+        return slot
 
-    def _locs(self, reqs, starts, ends) -> torch.Tensor:
-        parts = [self._slot_of[r] * self.rows_per_slot + torch.arange(int(a), int(b))
-                 for r, a, b in zip(reqs, starts, ends)]
+    def _release(self, slot: int) -> None:
+        self._live.discard(slot)
+        self.cache.release(slot)
+
+    def _locs(self, slots, starts, ends) -> torch.Tensor:
+        parts = [s * self.rows_per_slot + torch.arange(int(a), int(b))
+                 for s, a, b in zip(slots, starts, ends)]
         out = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         return out.to(device=self.device, dtype=torch.int64)

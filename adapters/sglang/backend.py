@@ -1,12 +1,17 @@
 """``--attention-backend vattn``: SGLang attention over vattn's virtually contiguous KV.
 
-The batch's ``req_pool_indices`` pick each request's vattn slot through the pool's
-``req_slots`` table (``cache_batch_idx`` of a non-paged kernel); keys are the slot's first
-``seq_lens[b]`` rows, so no ``req_to_token`` gather happens. New K/V are written with the pool's
-own ``set_kv_buffer`` at ``out_cache_loc`` (= ``slot * C + position``).
+Token ``t`` of a request in vattn slot ``s`` has SGLang index ``s * C + t``, so the batch's slots
+(``cache_batch_idx`` of a non-paged kernel) are ``req_to_token[req_pool_indices, 0] // C``: one
+gather of ``B`` values, no per-token ``req_to_token`` gather. Keys are the slot's first
+``seq_lens[b]`` rows. New K/V are written with the pool's own ``set_kv_buffer`` at
+``out_cache_loc``.
+
+Op backends: ``"sdpa"`` runs SGLang ``torch_native``'s exact SDPA call on the slot rows
+(:mod:`.sdpa`, bit-identical to ``torch_native``; the CPU default); every other name goes to
+``vattn.core.ops`` (``"auto"`` on CUDA: the fastest installed kernel).
 
 ``init_forward_metadata`` is host-side (may synchronize); ``forward_*`` launch only the store
-and the attention op.
+and the attention op (the ``"sdpa"`` path also reads lengths on the host).
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from vattn.core import ops
 from vattn.core.errors import ConfigError, UnsupportedError
 
+from .sdpa import decode_sdpa, extend_sdpa
+
 
 @dataclass
 class VattnMetadata:
     """Per-batch attention inputs (device tensors int32 unless noted).
 
     slots : ``[B]`` vattn slot of each request; seqlens : ``[B]`` keys incl. new tokens;
-    cu_seqlens_q : ``[B + 1]`` (extend only); max_seqlen_q / max_seqlen_k : host ints.
+    cu_seqlens_q : ``[B + 1]`` (extend only); max_seqlen_q / max_seqlen_k : host ints;
+    host : ``(bases, prefix_lens, seq_lens)`` host lists, only for the ``"sdpa"`` op backend.
     """
 
     slots: torch.Tensor
@@ -34,6 +42,7 @@ class VattnMetadata:
     cu_seqlens_q: torch.Tensor | None
     max_seqlen_q: int
     max_seqlen_k: int
+    host: tuple | None = None
 
 
 class VattnAttnBackend(AttentionBackend):
@@ -42,9 +51,11 @@ class VattnAttnBackend(AttentionBackend):
     Parameters
     ----------
     model_runner
-        SGLang ``ModelRunner`` (or any object with ``token_to_kv_pool`` and ``device``).
+        SGLang ``ModelRunner`` (or any object with ``token_to_kv_pool``,
+        ``req_to_token_pool`` and ``device``).
     op_backend : str
-        Backend name for ``vattn.core.ops`` (``"auto"``: fastest installed; ``"reference"`` on CPU).
+        ``"sdpa"`` (torch_native's math, bit-identical to it) or a ``vattn.core.ops`` backend;
+        ``"auto"``: ``"sdpa"`` on CPU, the fastest installed ``vattn.core.ops`` kernel on CUDA.
     """
 
     def __init__(self, model_runner, *, op_backend: str = "auto"):
@@ -55,13 +66,18 @@ class VattnAttnBackend(AttentionBackend):
                               f"{type(pool).__name__}")
         self.pool = pool
         self.cache = pool.vattn_cache
+        self.rows_per_slot = pool.rows_per_slot
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.device = model_runner.device
+        if op_backend == "auto" and torch.device(self.device).type == "cpu":
+            op_backend = "sdpa"
         self.op_backend = op_backend
         self.forward_metadata: VattnMetadata | None = None
 
     def init_forward_metadata(self, forward_batch) -> None:
         """Host-side: slots, key lengths and q offsets of this batch."""
-        slots = self.pool.req_slots[forward_batch.req_pool_indices.long()].to(torch.int32)
+        first = self.req_to_token[forward_batch.req_pool_indices.long(), 0].long()
+        slots = torch.div(first, self.rows_per_slot, rounding_mode="floor").to(torch.int32)
         seqlens = forward_batch.seq_lens.to(torch.int32)
         max_k = _host_max(forward_batch.seq_lens_cpu, forward_batch.seq_lens)
         cu_q, max_q = None, 1
@@ -70,7 +86,13 @@ class VattnAttnBackend(AttentionBackend):
             cu_q = torch.zeros(ext.numel() + 1, dtype=torch.int32, device=ext.device)
             torch.cumsum(ext, dim=0, out=cu_q[1:])
             max_q = _host_max(forward_batch.extend_seq_lens_cpu, ext)
-        self.forward_metadata = VattnMetadata(slots, seqlens, cu_q, max_q, max_k)
+        host = None
+        if self.op_backend == "sdpa":
+            seq = forward_batch.seq_lens.tolist()
+            ext = (forward_batch.extend_seq_lens.tolist() if cu_q is not None else [1] * len(seq))
+            host = ([s * self.rows_per_slot for s in slots.tolist()],
+                    [n - e for n, e in zip(seq, ext)], seq)
+        self.forward_metadata = VattnMetadata(slots, seqlens, cu_q, max_q, max_k, host)
 
     def _store(self, layer, k, v, forward_batch, save_kv_cache: bool) -> None:
         _check_layer(layer)
@@ -82,6 +104,11 @@ class VattnAttnBackend(AttentionBackend):
         self._store(layer, k, v, forward_batch, save_kv_cache)
         md = self.forward_metadata
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        if md.host is not None:
+            bases, prefix, seq = md.host
+            o = extend_sdpa(q_, *self._rows(layer), bases=bases, prefix_lens=prefix,
+                            seq_lens=seq, scale=layer.scaling, out=torch.empty_like(q_))
+            return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
         o = ops.prefill(q_, self.cache.k(layer.layer_id), self.cache.v(layer.layer_id),
                         cu_seqlens_q=md.cu_seqlens_q, slots=md.slots, seqlens_k=md.seqlens,
                         max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k,
@@ -93,10 +120,18 @@ class VattnAttnBackend(AttentionBackend):
         self._store(layer, k, v, forward_batch, save_kv_cache)
         md = self.forward_metadata
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        if md.host is not None:
+            bases, _, seq = md.host
+            o = decode_sdpa(q_, *self._rows(layer), bases=bases, seq_lens=seq,
+                            scale=layer.scaling, out=torch.empty_like(q_))
+            return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
         o = ops.decode(q_, self.cache.k(layer.layer_id), self.cache.v(layer.layer_id),
                        slots=md.slots, seqlens=md.seqlens, max_seqlen_k=md.max_seqlen_k,
                        scale=layer.scaling, backend=self.op_backend)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _rows(self, layer):
+        return self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id)
 
     def support_triton(self):
         return False

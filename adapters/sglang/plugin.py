@@ -35,10 +35,15 @@ def create_vattn_backend(runner):
 
 
 def check_server_args(server_args) -> None:
-    """Refuse settings the adapter does not support yet (radix cache, paged pages > 1)."""
+    """Refuse settings the adapter does not support (radix cache on, page size 1).
+
+    ``page_size > 1`` routes SGLang's scheduler through the paged allocator calls
+    (``alloc_extend`` / ``alloc_decode``), which carry the per-request lengths vattn maps by.
+    """
     if not getattr(server_args, "disable_radix_cache", False):
         raise ConfigError("--attention-backend vattn needs --disable-radix-cache "
                           "(prefix sharing is not supported yet)")
     page_size = getattr(server_args, "page_size", 1) or 1
-    if page_size != 1:
-        raise ConfigError(f"--attention-backend vattn needs --page-size 1, got {page_size}")
+    if page_size < 2:
+        raise ConfigError(f"--attention-backend vattn needs --page-size > 1 (e.g. 16), got "
+                          f"{page_size}")

@@ -38,7 +38,7 @@ class VattnMHATokenToKVPool(MHATokenToKVPool):
     cache : VirtualKVCache
         Supplies ``k_rows(layer)`` / ``v_rows(layer)``: ``[max_slots * C, H, D]`` strided views.
     page_size : int
-        SGLang's page size; only 1 is supported (vattn pages are physical, not logical).
+        SGLang's (logical) page size; must divide ``C``, so pages never straddle two slots.
     enable_memory_saver, start_layer, end_layer, **kwargs
         Passed to ``MHATokenToKVPool``; head count/dim, dtype, layers and device come from
         ``cache.config``.
@@ -46,15 +46,14 @@ class VattnMHATokenToKVPool(MHATokenToKVPool):
 
     def __init__(self, cache: VirtualKVCache, *, page_size: int = 1,
                  enable_memory_saver: bool = False, **kwargs):
-        if page_size != 1:
-            raise UnsupportedError(f"vattn pool needs page_size=1, got {page_size}")
         cfg = cache.config
+        if page_size < 1 or cache.layout.rows_per_slot % page_size:
+            raise ConfigError(f"vattn pool: page_size must divide rows_per_slot="
+                              f"{cache.layout.rows_per_slot}, got {page_size}")
         self.vattn_cache = cache
         self.rows_per_slot = cache.layout.rows_per_slot
         self._hold_pad_slot(cache)
         size = cfg.max_slots * self.rows_per_slot - page_size
-        self.req_slots = torch.full((cfg.max_slots,), PAD_SLOT, dtype=torch.int32,
-                                    device=cfg.torch_device)  # req_pool_idx -> vattn slot
         super().__init__(size=size, page_size=page_size, dtype=cfg.dtype,
                          head_num=cfg.num_kv_heads, head_dim=cfg.head_dim,
                          layer_num=cfg.num_layers, device=str(cfg.torch_device),

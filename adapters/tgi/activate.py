@@ -4,7 +4,7 @@ How an operator enables it
 --------------------------
 TGI configures its server through environment variables set by the launcher, and so does
 vattn: set ``VATTN_TGI=1`` (plus ``ATTENTION=flashdecoding``, ``PREFIX_CACHING=0``,
-``CUDA_GRAPHS=0``, optional ``VATTN_TGI_*`` sizes, see :func:`.patches.config_from_env`).
+``CUDA_GRAPHS`` unset or ``0``, optional ``VATTN_TGI_*`` sizes, see :func:`.patches.config_from_env`).
 Something must run vattn's check before TGI's modules are imported; there are two ways, neither
 needs a ``sitecustomize``:
 

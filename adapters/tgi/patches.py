@@ -39,8 +39,9 @@ def check_environment(env=None) -> None:
         raise ConfigError("vattn's TGI adapter needs ATTENTION=flashdecoding (its [blocks, tokens, H, D] "
                           f"KV layout is what the virtual views have), got {env.get('ATTENTION')!r}")
     if env.get("CUDA_GRAPHS", "0") not in {"", "0"}:
-        raise ConfigError("vattn's TGI adapter needs CUDA_GRAPHS=0 (TGI pads graph batches by "
-                          f"writing to slot 0, which is a live vattn region), got {env['CUDA_GRAPHS']!r}")
+        raise ConfigError("vattn's TGI adapter needs CUDA graphs off (launch with --cuda-graphs 0, "
+                          "which leaves CUDA_GRAPHS unset; TGI pads graph batches by writing to slot 0, "
+                          f"a live vattn region), got CUDA_GRAPHS={env['CUDA_GRAPHS']!r}")
 
 
 def config_from_env(*, num_layers: int, num_heads: int, head_size: int, dtype: torch.dtype,

@@ -18,7 +18,8 @@ from .version import SUPPORTED, check_version
 __all__ = ["enable", "disable", "register", "ATTN_NAME", "SUPPORTED", "check_version"]
 
 ATTN_NAME = "paged|vattn"
-_OPTIONS = ("group_size", "page_budget", "map_ahead_tokens", "scrub", "max_slots")
+_OPTIONS = ("group_size", "page_budget", "map_ahead_tokens", "scrub", "max_slots", "max_context",
+            "prefill_backend", "decode_backend")
 
 
 def register() -> None:
@@ -42,12 +43,15 @@ def enable(model, **options) -> None:
         A loaded ``PreTrainedModel`` (full attention).
     **options
         Keyword-only cache options: ``group_size`` (int), ``page_budget`` (bytes or fraction),
-        ``map_ahead_tokens`` (int), ``scrub`` (str), ``max_slots`` (int).
+        ``map_ahead_tokens`` (int), ``scrub`` (str), ``max_slots`` (int), ``max_context`` (int, caps the
+        tokens per slot), ``prefill_backend`` /
+        ``decode_backend`` (a ``vattn.core.ops.BACKENDS`` name or ``"auto"``: ``"reference"`` on CPU,
+        the fastest installed on CUDA).
 
     Raises
     ------
     UnsupportedError
-        transformers outside the tested range.
+        transformers outside the tested range, or an op backend that cannot run here.
     ConfigError
         An unknown option, or a manager already cached on the model.
     """
@@ -59,8 +63,17 @@ def enable(model, **options) -> None:
                           "model.destroy_cached_continuous_batching_manager() first")
     register()
     config = model.config.get_text_config()
+    _check_backends(model, config, options)
     config.vattn_options = dict(options)
     model.set_attn_implementation(ATTN_NAME)
+
+
+def _check_backends(model, config, options: dict) -> None:
+    """Fail at ``enable`` (not inside the generation thread) on a backend that cannot run here."""
+    from .cache import resolve_backends
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    resolve_backends(model.device, model.dtype, head_dim, prefill=options.get("prefill_backend", "auto"),
+                     decode=options.get("decode_backend", "auto"))
 
 
 def disable(model) -> None:

@@ -9,22 +9,54 @@ which the manager turns into its own requeue.
 
 from __future__ import annotations
 
+import importlib.util
+from dataclasses import dataclass
+
 import torch
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 from vattn.core import KVCacheConfig, VirtualKVCache
 from vattn.core.errors import ConfigError, SlotError, UnsupportedError
+from vattn.core.ops import resolve_backend
 
-__all__ = ["VattnPagedCache", "ATTN_NAME"]
+__all__ = ["VattnPagedCache", "Backends", "resolve_backends", "ATTN_NAME"]
 
 ATTN_NAME = "paged|vattn"
+
+
+@dataclass(frozen=True)
+class Backends:
+    """The op backends of one cache, resolved once (``vattn.core.ops.resolve_backend``)."""
+
+    store: str
+    prefill: str
+    decode: str
+
+
+def resolve_backends(device, dtype: torch.dtype, head_dim: int, *, prefill: str = "auto",
+                     decode: str = "auto") -> Backends:
+    """``"reference"`` on CPU; on CUDA the fastest installed (e.g. torch_fa2 prefill, triton decode).
+
+    Raises
+    ------
+    UnsupportedError
+        An explicit backend that cannot run here (the message says why).
+    """
+    device = torch.device(device)
+    args = dict(device=device, dtype=dtype, head_dim=head_dim)
+    store = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+    return Backends(store=store, prefill=resolve_backend("prefill", backend=prefill, **args),
+                    decode=resolve_backend("decode", backend=decode, **args))
 
 
 class VattnPagedCache(PagedAttentionCache):
     """``PagedAttentionCache`` with vattn slots; stock behaviour unless the model uses ``paged|vattn``.
 
     Extra options are read from ``model.config.vattn_options`` (set by :func:`enable`):
-    ``group_size``, ``page_budget``, ``map_ahead_tokens``, ``scrub``, ``max_slots``.
+    ``group_size``, ``page_budget``, ``map_ahead_tokens``, ``scrub``, ``max_slots``, ``max_context``,
+    ``prefill_backend``, ``decode_backend``. Attributes used by the attention function:
+    ``backends`` (:class:`Backends`), ``first_layer``, ``step_plan`` (set per forward),
+    :meth:`layer_views`.
     """
 
     def __init__(self, config, continuous_batching_config, device, distributed_helper, tp_plan,
@@ -36,7 +68,14 @@ class VattnPagedCache(PagedAttentionCache):
         if self.num_sliding_attention_groups:
             raise UnsupportedError("paged|vattn supports full-attention models only (sliding window found)")
         self.use_prefix_sharing = False  # slots do not share blocks (prefix sharing comes later)
+        opts = dict(getattr(config, "vattn_options", None) or {})
+        self.backends = resolve_backends(device, dtype, self.head_dim,
+                                         prefill=opts.get("prefill_backend", "auto"),
+                                         decode=opts.get("decode_backend", "auto"))
         self.vattn = VirtualKVCache(_vattn_config(self, config, device, dtype))
+        self._views = [(self.vattn.k(j), self.vattn.v(j)) for j in range(config.num_hidden_layers)]
+        self.first_layer = min(self.layer_index_to_group_indices)
+        self.step_plan = None
         # the stock pool is not used: free it, keeping one placeholder per layer of a group
         # (the offloading manager sizes its buffers from len(key_cache))
         stub = torch.empty(0, device=device, dtype=dtype)
@@ -93,12 +132,10 @@ class VattnPagedCache(PagedAttentionCache):
         if self.vattn is None:
             return super().extend_read_and_write_indices(request_id, past_length, query_length,
                                                          read_index, write_index)
+        # write rows only: paged|vattn reads the slot's rows in place, so no read index is built
         base = self._slots[request_id] * self.vattn.layout.rows_per_slot
         for rows in write_index:
             rows.extend(range(base + past_length, base + past_length + query_length))
-        if read_index is not None:
-            for rows in read_index:
-                rows.extend(range(base, base + past_length + query_length))
 
     def slot_of(self, request_id: str) -> int | None:
         """The vattn slot a running request holds (``None`` if it holds none)."""
@@ -110,23 +147,16 @@ class VattnPagedCache(PagedAttentionCache):
         super().copy_cache(list_source_blocks, list_forked_blocks)
 
     # -- the per-layer hot path ------------------------------------------------------------------
-    def update(self, key_states, value_states, layer_idx, read_index, write_index):
-        """Store new K/V in the slot rows, return the request's K/V read from the vattn view.
+    def layer_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views of a layer: ``[max_slots + 1, rows_per_slot, Hk, D]`` each (built once)."""
+        return self._views[layer_idx]
 
-        ``key_states``/``value_states``: ``[1, Hk, N, D]``; returns ``[M, Hk, D]`` each.
-        """
-        if self.vattn is None:
-            return super().update(key_states, value_states, layer_idx, read_index, write_index)
-        group_idx, _ = self.layer_index_to_group_indices[layer_idx]
-        k_rows, v_rows = self.vattn.k_rows(layer_idx), self.vattn.v_rows(layer_idx)
-        key_states = key_states.transpose(1, 2).squeeze(0)
-        value_states = value_states.transpose(1, 2).squeeze(0)
-        k_rows.index_copy_(0, write_index[group_idx], key_states)
-        v_rows.index_copy_(0, write_index[group_idx], value_states)
-        if read_index[group_idx].numel() == 0:
-            return key_states, value_states
-        return (torch.index_select(k_rows, 0, read_index[group_idx]),
-                torch.index_select(v_rows, 0, read_index[group_idx]))
+    def update(self, key_states, value_states, layer_idx, read_index, write_index):
+        """Stock gather path; with vattn the attention function reads the views itself."""
+        if self.vattn is not None:
+            raise UnsupportedError("the vattn cache is read in place by paged|vattn: cache.update (the stock "
+                                   "gather) is not available; use attn_implementation='paged|vattn'")
+        return super().update(key_states, value_states, layer_idx, read_index, write_index)
 
     def vattn_metrics(self) -> dict:
         return {} if self.vattn is None else self.vattn.metrics()
@@ -136,10 +166,12 @@ def _vattn_config(cache: PagedAttentionCache, config, device, dtype) -> KVCacheC
     opts = dict(getattr(config, "vattn_options", None) or {})
     token_bytes = 2 * cache.num_key_value_heads * cache.head_dim * torch.tensor([], dtype=dtype).element_size()
     pool = cache.num_blocks * cache.block_size * token_bytes * config.num_hidden_layers
-    max_ctx = min(int(config.max_position_embeddings), cache.num_blocks * cache.block_size)
+    max_ctx = min(int(config.max_position_embeddings), cache.num_blocks * cache.block_size,
+                  int(opts.get("max_context", 1 << 62)))
     max_slots = int(opts.get("max_slots", min(cache.num_blocks, 1024) + 1))
-    # the stock pool's bytes plus one partly filled 2 MiB page per range and slot (worst-case waste)
-    slack = max_slots * config.num_hidden_layers * (2 << 20)
+    # the stock pool's bytes plus one partly filled 2 MiB page per range and slot (worst-case waste),
+    # counting the core's always-mapped padding slot
+    slack = (max_slots + 1) * config.num_hidden_layers * (2 << 20)
     return KVCacheConfig(
         num_layers=config.num_hidden_layers, num_kv_heads=cache.num_key_value_heads,
         head_dim=cache.head_dim, dtype=dtype, device=str(device),

@@ -48,7 +48,7 @@ class TransformersRunner:
         if mode not in self.modes:
             raise ConfigError(f"mode must be one of {self.modes}, got {mode!r}")
         from transformers import GenerationConfig
-        model = self._load(mode, model_dir, device, dtype, num_prompts=len(prompts))
+        model = self._load(mode, model_dir, device, dtype, prompts=prompts, max_new_tokens=max_new_tokens)
         gen = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                                do_sample=False, eos_token_id=None, pad_token_id=0)
         cb = self._cb_config(prompts, max_new_tokens, logprobs=logprobs > 0, device=device)
@@ -69,25 +69,51 @@ class TransformersRunner:
         return _result(by_index, prompts, seconds, logprobs > 0, extra={"mode": mode,
                        "attn_implementation": model.config._attn_implementation})
 
-    def _load(self, mode: str, model_dir: str, device: str, dtype: str, *, num_prompts: int):
+    def _load(self, mode: str, model_dir: str, device: str, dtype: str, *, prompts, max_new_tokens: int):
         from transformers import AutoModelForCausalLM
+
+        from vattn.conformance.models import instantiate, saved_weights
         if dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         key = (model_dir, str(device), dtype)
         if self._model_key != key:
             self._model = None
-            self._model = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=_DTYPES[dtype], attn_implementation="paged|sdpa").to(device).eval()
+            if saved_weights(model_dir):
+                self._model = AutoModelForCausalLM.from_pretrained(
+                    model_dir, dtype=_DTYPES[dtype], attn_implementation="paged|sdpa").to(device).eval()
+            else:  # random weights drawn directly on the device: no multi-GB file written or read
+                self._model = instantiate(model_dir, device=device, dtype=dtype)
             self._model_key = key
         model = self._model
         if getattr(model, "_cached_continuous_batching_manager", None) is not None:
             model.destroy_cached_continuous_batching_manager()
         if mode == "vattn":
             from . import enable
-            enable(model, **{"max_slots": num_prompts + 1, **self.vattn_options})
+            longest = max(len(p) for p in prompts) + max_new_tokens
+            enable(model, **{"max_slots": len(prompts) + 1, "max_context": longest, **self.vattn_options})
         else:
             model.set_attn_implementation("paged|sdpa")
         return model
+
+    @torch.no_grad()
+    def topk_logprobs(self, prompt: list[int], k: int = 5) -> dict[int, float]:
+        """Top-``k`` next-token log-probs after ``prompt`` from one plain forward of the loaded model.
+
+        transformers' continuous batching returns only the chosen token's log-prob; the identity
+        check calls this at a divergence to judge it a near-tie (the prefix is the same on both
+        sides there, so one distribution serves both).
+        """
+        if self._model is None:
+            raise ConfigError("topk_logprobs needs a model: call run() first")
+        model, impl = self._model, self._model.config._attn_implementation
+        model.set_attn_implementation("sdpa")
+        try:
+            ids = torch.tensor([prompt], device=model.device)
+            logits = model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+        finally:
+            model.set_attn_implementation(impl)
+        values, tokens = torch.log_softmax(logits, -1).topk(k)
+        return dict(zip(tokens.tolist(), values.tolist()))
 
     def _cb_config(self, prompts, max_new_tokens: int, *, logprobs: bool, device: str):
         from transformers import ContinuousBatchingConfig
@@ -97,6 +123,8 @@ class TransformersRunner:
             num_blocks = sum(per)
         return ContinuousBatchingConfig(
             block_size=self.block_size, num_blocks=num_blocks, max_batch_tokens=self.max_batch_tokens,
+            # explicit: else the manager sizes itself from the 2-prompt warm-up and batches 2 at a time
+            max_requests_per_batch=min(len(prompts), self.max_batch_tokens),
             allow_block_sharing=False, return_logprobs=logprobs,
             use_cuda_graph=False if not str(device).startswith("cuda") else self.use_cuda_graph)
 

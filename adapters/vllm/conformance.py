@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,9 @@ from vattn.core.errors import ConfigError, UnsupportedError, VattnError
 __all__ = ["VllmRunner"]
 
 _CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# GPU: every mode on the V2 runner (vattn's hooks target it; Llama-like models use it by default),
+# and callables allowed in collective_rpc so the vattn metrics can be read from the engine core
+_GPU_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 
 
 class VllmRunner:
@@ -39,17 +43,28 @@ class VllmRunner:
         Per-mode limit for the subprocess.
     engine_args : dict, optional
         Extra keys of the worker spec (``load_format``, ``gpu_memory_utilization``, ...).
+    modes : tuple of str, optional
+        A subset of the device's modes to offer (e.g. ``("stock", "vattn")``).
+    log_dir : str, optional
+        Where each run's full stdout/stderr is written (``vllm_<tag>_<mode>.log``).
+    tag : str
+        Names the log files of this runner's runs.
     """
 
     name = "vllm"
 
     def __init__(self, *, device: str | None = None, max_num_seqs: int = 16, timeout_s: float = 900.0,
-                 engine_args: dict | None = None):
+                 engine_args: dict | None = None, modes: tuple[str, ...] | None = None,
+                 log_dir: str | None = None, tag: str = "run"):
         if device is None:
             import torch
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = device
-        self.modes = ("stock", "ceiling", "vattn") if device.startswith("cuda") else ("stock", "vattn")
+        offered = ("stock", "ceiling", "vattn") if device.startswith("cuda") else ("stock", "vattn")
+        if modes is not None and (not modes or not set(modes) <= set(offered)):
+            raise ConfigError(f"vllm modes must be a non-empty subset of {offered} on {device}, got {modes}")
+        self.modes = tuple(modes) if modes is not None else offered
+        self.log_dir, self.tag = log_dir, tag
         self.max_num_seqs = max_num_seqs
         self.timeout_s = timeout_s
         self.engine_args = dict(engine_args or {})
@@ -75,15 +90,15 @@ class VllmRunner:
         env.pop("VATTN_VLLM", None)
         if spec["mode"] == "vattn":
             env["VATTN_VLLM"] = "1"
-        if not spec["device"].startswith("cuda"):
-            for key, value in _CPU_ENV.items():
-                env.setdefault(key, value)
+        for key, value in (_GPU_ENV if spec["device"].startswith("cuda") else _CPU_ENV).items():
+            env.setdefault(key, value)
         with tempfile.TemporaryDirectory(prefix="vattn-vllm-") as tmp:
             src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
             with open(src, "w") as f:
                 json.dump(spec, f)
             cmd = [sys.executable, "-m", "vattn.adapters.vllm.worker", src, dst]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=self.timeout_s)
+            proc = _run_group(cmd, env, self.timeout_s)
+            self._log(spec["mode"], proc)
             if proc.returncode != 0:
                 raise VattnError(f"vLLM {spec['mode']} run failed (exit {proc.returncode}):\n"
                                  f"{proc.stderr[-4000:]}")
@@ -92,6 +107,36 @@ class VllmRunner:
         if out["logprobs"] is not None:
             out["logprobs"] = [[{int(k): v for k, v in pos.items()} for pos in req] for req in out["logprobs"]]
         return out
+
+
+    def _log(self, mode: str, proc) -> None:
+        if self.log_dir is None:
+            return
+        os.makedirs(self.log_dir, exist_ok=True)
+        with open(os.path.join(self.log_dir, f"vllm_{self.tag}_{mode}.log"), "w") as f:
+            f.write(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+
+
+def _run_group(cmd: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; on timeout (``TimeoutExpired``) or interruption kill
+    the whole group: vLLM's engine core is a grandchild that would otherwise keep the GPU."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except BaseException:   # timeout, or this process being stopped (SIGTERM -> SystemExit)
+        _kill_group(proc.pid)
+        proc.communicate()
+        raise
+    _kill_group(proc.pid)   # a crashed run may leave its engine-core process behind
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _round_up(n: int, step: int) -> int:

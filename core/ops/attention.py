@@ -71,7 +71,8 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, slots: torch.Tensor,
            seqlens: torch.Tensor, max_seqlen_k: int | None = None, scale: float | None = None,
-           backend: str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+           backend: str = "auto", out: torch.Tensor | None = None,
+           cu_seqlens_q: torch.Tensor | None = None) -> torch.Tensor:
     """One new token per request attends to its slot's first ``seqlens[b]`` rows.
 
     Parameters
@@ -89,6 +90,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, slo
         A tight bound lets the split heuristics pick fewer splits.
     scale, backend, out
         As in :func:`prefill`; ``out`` is ``[B, Hq, D]``.
+    cu_seqlens_q : torch.Tensor, optional
+        ``arange(B + 1)`` int32, built once per step by callers that run many layers (the
+        FlashAttention-family backends need it; otherwise one small kernel per call builds it).
+        Passing ``slots`` and ``seqlens`` as int32 likewise avoids a conversion per call.
 
     Returns
     -------
@@ -100,6 +105,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, slo
     batch = q.shape[0]
     check_index("slots", slots, length=batch, device=q.device)
     check_index("seqlens", seqlens, length=batch, device=q.device)
+    if cu_seqlens_q is not None:
+        check_index("cu_seqlens_q", cu_seqlens_q, length=batch + 1, device=q.device, dtypes=(torch.int32,))
     max_seqlen_k = k_cache.shape[1] if max_seqlen_k is None else max_seqlen_k
     _check_bound("max_seqlen_k", max_seqlen_k, k_cache.shape[1])
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -122,7 +129,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, slo
     if name == "flashinfer":
         from .external import decode_flashinfer
         return decode_flashinfer(q, k_cache, v_cache, slots=slots, seqlens=seqlens, scale=scale, out=out)
-    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    cu_q = (torch.arange(batch + 1, dtype=torch.int32, device=q.device) if cu_seqlens_q is None
+            else cu_seqlens_q)
     return _run_fa_family(name, q, k_cache, v_cache, cu_seqlens_q=cu_q, slots=slots,
                           seqlens_k=seqlens, max_seqlen_q=1, max_seqlen_k=max_seqlen_k,
                           scale=scale, causal=False, out=out)

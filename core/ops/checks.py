@@ -12,7 +12,7 @@ from ..errors import TensorError, UnsupportedError
 
 __all__ = [
     "check_cache", "check_cache_pair", "check_index", "check_q", "check_out", "check_int32_rows",
-    "flat_rows", "INT32_MAX", "FLOAT_DTYPES",
+    "flat_rows", "anchor_delta", "INT32_MAX", "FLOAT_DTYPES",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -111,3 +111,21 @@ def check_int32_rows(cache: torch.Tensor, backend: str) -> None:
         raise UnsupportedError(f"backend {backend!r} addresses rows with int32 but the cache has "
                                f"{cache.shape[0]} slots x {cache.shape[1]} rows = {total} rows > 2^31-1; "
                                f"use fewer slots / a shorter max_context, or backend='triton'")
+
+
+def anchor_delta(view: torch.Tensor, anchor: torch.Tensor) -> int:
+    """Element offset of ``view``'s first element from ``anchor``'s (same dtype), for Triton.
+
+    Triton refuses a tensor argument whose first byte is not mapped (it asks the driver about the
+    pointer), and a virtual cache's view starts at slot 0, which may hold no page. Kernels take
+    an ordinary tensor of the call (``q``, ``k_new``) and this offset instead; the address math
+    is the same, only the base pointer handed to the launcher differs.
+    """
+    if view.dtype != anchor.dtype or view.device != anchor.device:
+        raise TensorError(f"anchor must match the view ({view.dtype} on {view.device}), got "
+                          f"{anchor.dtype} on {anchor.device}")
+    delta, rem = divmod(view.data_ptr() - anchor.data_ptr(), view.element_size())
+    if rem:
+        raise TensorError(f"view and anchor addresses differ by a non-multiple of the element size "
+                          f"({view.element_size()} bytes)")
+    return delta

@@ -3,7 +3,8 @@
 Grid ``(B, Hk, num_splits)``: one program handles *all* ``Hq / Hk`` query heads that share one
 KV head, so each K/V tile is read from HBM once per group, over one contiguous span of the
 slot's rows. A second kernel merges the splits by their log-sum-exp. Row offsets are 64-bit
-(``slot * slot_stride`` exceeds 2^31 elements on large caches). Graph-safe: ``num_splits`` is a
+(``slot * slot_stride`` exceeds 2^31 elements on large caches). The cache is passed as an element
+offset from ``q`` (see :func:`~vattn.core.ops.checks.anchor_delta`). Graph-safe: ``num_splits`` is a
 function of host-known sizes only and the per-request span is computed on the device.
 """
 
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from .checks import anchor_delta
 
 __all__ = ["TritonDecodeConfig", "decode_triton", "choose_num_splits", "DEFAULT_CONFIG"]
 
@@ -48,7 +51,7 @@ def choose_num_splits(batch: int, kv_heads: int, max_seqlen_k: int, cfg: TritonD
 
 
 @triton.jit
-def _split_kernel(Q, K, V, Slots, Seqlens, Out, Lse,
+def _split_kernel(Q, k_delta, v_delta, Slots, Seqlens, Out, Lse,
                   stride_qb, stride_qh, stride_ks, stride_kt, stride_vs, stride_vt,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                   scale_log2, num_splits,
@@ -71,8 +74,8 @@ def _split_kernel(Q, K, V, Slots, Seqlens, Out, Lse,
     q_ptr = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr, mask=mask_h[:, None] & mask_d[None, :], other=0.0)   # [BLOCK_H, BLOCK_D]
 
-    k_base = K + slot * stride_ks + kvh * HEAD_D
-    v_base = V + slot * stride_vs + kvh * HEAD_D
+    k_base = Q + k_delta + slot * stride_ks + kvh * HEAD_D     # K, V addressed from q (mapped)
+    v_base = Q + v_delta + slot * stride_vs + kvh * HEAD_D
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -144,16 +147,17 @@ def decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   num_warps=config.num_warps, num_stages=config.num_stages)
     ks, kt = k_cache.stride(0), k_cache.stride(1)
     vs, vt = v_cache.stride(0), v_cache.stride(1)
+    kd, vd = anchor_delta(k_cache, q), anchor_delta(v_cache, q)
     if splits == 1:
         _split_kernel[(batch, hk, 1)](
-            q, k_cache, v_cache, slots, seqlens, out, out,
+            q, kd, vd, slots, seqlens, out, out,
             q.stride(0), q.stride(1), ks, kt, vs, vt, out.stride(0), out.stride(1), 0, 0, 0,
             float(scale) * 1.4426950408889634, 1, DIRECT=True, **common)
         return out
     part = torch.empty((batch, hq, splits, dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, hq, splits), dtype=torch.float32, device=q.device)
     _split_kernel[(batch, hk, splits)](
-        q, k_cache, v_cache, slots, seqlens, part, lse,
+        q, kd, vd, slots, seqlens, part, lse,
         q.stride(0), q.stride(1), ks, kt, vs, vt, part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1), float(scale) * 1.4426950408889634, splits,
         DIRECT=False, **common)

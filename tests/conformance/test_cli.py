@@ -29,3 +29,17 @@ def test_bad_engine_option_is_rejected(tmp_path, capsys):
                               "--models-dir", str(tmp_path / "m")])
     assert cli.run(args) == 2
     assert "KEY=VALUE" in capsys.readouterr().out
+
+
+def test_stage_options_instantiate_layers_num_requests(tmp_path):
+    from vattn.conformance import cli
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--workload", "decode-heavy", "--device", "cpu", "--out", str(tmp_path / "r"),
+                              "--models-dir", str(tmp_path / "m"), "--weights", "instantiate", "--layers", "1",
+                              "--num-requests", "3"])
+    assert cli.run(args) == 0
+    report = json.load(open(tmp_path / "r" / "conformance.json"))
+    assert report["num_layers"] == 1 and report["num_requests"] == 3
+    assert report["throughput"]["decode-heavy"]["vattn"]["ratio"] > 0
+    assert not list((tmp_path / "m").glob("*/model.safetensors"))  # weights drawn at load, never written

@@ -44,3 +44,30 @@ def test_degenerate_outputs_fail():
     assert not check_not_degenerate(cycle)["ok"]
     varied = [[i, i + 1, i + 2, i * 3 % 7, 9, 10, 11, 12] for i in range(10)]
     assert check_not_degenerate(varied)["ok"]
+
+
+class _TopkRunner:
+    """A runner whose full distribution at any prefix is fixed (tokens 2 and 9 nearly tied)."""
+
+    def __init__(self, dist):
+        self.dist, self.asked = dist, []
+
+    def topk_logprobs(self, prompt, k=5):
+        self.asked.append(list(prompt))
+        return dict(list(self.dist.items())[:k])
+
+
+def test_divergence_logprobs_filled_from_runner():
+    from vattn.conformance.identity import fill_divergence_logprobs
+    base = _run([[1, 2, 7], [4, 5]], [[{1: -0.1}, {2: -0.7}, {7: -0.1}], [{4: -0.1}, {5: -0.1}]])
+    cand = _run([[1, 9, 8], [4, 5]], [[{1: -0.1}, {9: -0.7}, {8: -0.1}], [{4: -0.1}, {5: -0.1}]])
+    assert not compare(base, cand).ok  # only the chosen token's log-prob: no near-tie can be judged
+    runner = _TopkRunner({2: -0.70, 9: -0.72, 3: -3.0})
+    assert fill_divergence_logprobs(runner, [[11, 12], [13]], {"stock": base, "vattn": cand}, "stock") == 1
+    assert runner.asked == [[11, 12, 1]]  # prompt + the common prefix
+    rep = compare(base, cand, max_gap=0.1)
+    assert rep.ok and rep.near_ties == 1
+    far = _TopkRunner({2: -0.1, 3: -3.0, 9: -4.0})
+    base.logprobs[0][1], cand.logprobs[0][1] = {2: -0.7}, {9: -0.7}
+    fill_divergence_logprobs(far, [[11, 12], [13]], {"stock": base, "vattn": cand}, "stock")
+    assert not compare(base, cand, max_gap=0.1).ok

@@ -52,3 +52,29 @@ def test_build_tiny_model(tmp_path):
     from safetensors.torch import load_file
     w = load_file(str(tmp_path / "model.safetensors"))["model.layers.0.mlp.up_proj.weight"]
     assert 0.015 < float(w.float().std()) < 0.025
+
+
+def test_instantiate_matches_saved_weights(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    import torch
+    from safetensors.torch import load_file
+
+    from vattn.conformance.models import build_model, instantiate, saved_weights
+    fields = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "head_dim": 32, "intermediate_size": 64, "vocab_size": 128, "max_position_embeddings": 256}
+    on_disk = build_model(fields, str(tmp_path / "file"), seed=3)
+    lazy = build_model(fields, str(tmp_path / "lazy"), seed=3, save_weights=False, num_layers=1)
+    assert saved_weights(on_disk) and not saved_weights(lazy)
+    assert json.load(open(tmp_path / "lazy" / "config.json"))["num_hidden_layers"] == 1
+    saved = load_file(str(tmp_path / "file" / "model.safetensors"))
+    built = instantiate(on_disk, device="cpu", dtype="float32").state_dict()
+    assert saved.keys() == built.keys()
+    assert all(torch.equal(saved[k], built[k]) for k in saved)
+
+
+def test_num_requests_override():
+    w = make_workload("decode-heavy", size="gpu", vocab_size=1000, num=3)
+    assert len(w.prompts) == 3 and w.max_new_tokens == 256
+    with pytest.raises(ConfigError):
+        make_workload("identity", size="cpu", vocab_size=10, num=0)

@@ -60,3 +60,18 @@ def test_layer_places_cover_every_offset_once():
 def test_bad_config_is_a_typed_error(bad, match):
     with pytest.raises(ConfigError, match=match):
         _layout(**bad)
+
+
+@pytest.mark.parametrize("layers,split,want", [(2, False, 1), (8, False, 1), (32, False, 4),
+                                               (28, False, 4), (60, False, 10), (32, True, 1)])
+def test_auto_group_size_bounds_the_ranges(layers, split, want):
+    from vattn.core.config import MAX_AUTO_RANGES, auto_group_size
+    assert auto_group_size(layers, split) == want
+    cfg = KVCacheConfig(num_layers=layers, num_kv_heads=8, head_dim=128, max_slots=2,
+                        max_context=1024, split_kv=split)
+    assert cfg.group_size == want
+    if not split:
+        rep = layout_report(num_layers=layers, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                            group_size=cfg.group_size)
+        assert rep.num_ranges <= MAX_AUTO_RANGES
+        assert rep.worst_waste_bytes <= MAX_AUTO_RANGES * (2 << 20)

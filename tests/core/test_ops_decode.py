@@ -72,6 +72,11 @@ def test_decode_errors():
         decode(qb.q, k, v, slots=qb.slots, seqlens=qb.seqlens, out=torch.empty(2, 8, 40))
     with pytest.raises(UnsupportedError, match="CUDA"):
         decode(qb.q, k, v, slots=qb.slots, seqlens=qb.seqlens, backend="torch_fa2")
+    with pytest.raises(TensorError, match="cu_seqlens_q"):
+        decode(qb.q, k, v, slots=qb.slots, seqlens=qb.seqlens, cu_seqlens_q=torch.arange(4))
+    with pytest.raises(TensorError, match="cu_seqlens_q"):
+        decode(qb.q, k, v, slots=qb.slots, seqlens=qb.seqlens,
+               cu_seqlens_q=torch.arange(3, dtype=torch.int32))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 "
@@ -173,3 +178,31 @@ def test_decode_cuda_virtual_cache_offsets_beyond_2_31(backend):
         ref = naive_decode(q.cpu(), k_ref, v_ref, st.cpu(), sl.cpu(), 128 ** -0.5)
         torch.testing.assert_close(out.double().cpu(), ref, **TOL[dtype])
         torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 "
+                    "(and install triton) to run the Triton kernels on the CPU interpreter")
+def test_triton_kernels_on_virtual_cache_with_unmapped_slot0_interpreter():
+    """Store + decode on a host VirtualKVCache whose first bytes (slot 0) hold no page."""
+    pytest.importorskip("triton")
+    from vattn.core import KVCacheConfig, VirtualKVCache
+    from vattn.core.ops import rows_for, store
+    cfg = KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float16, max_slots=4,
+                        max_context=4096, group_size=2, page_budget=64 << 20, map_ahead_tokens=0)
+    with VirtualKVCache(cfg) as cache:
+        slots = [cache.acquire() for _ in range(4)]
+        use, lens = [s for s in slots if s != 0][:2], [300, 41]
+        assert cache.ensure(dict(zip(use, lens))) == []
+        tok_s = torch.cat([torch.full((n,), s) for s, n in zip(use, lens)])
+        tok_p = torch.cat([torch.arange(n) for n in lens])
+        g = torch.Generator().manual_seed(5)
+        kv = torch.randn(2, len(tok_s), 2, 16, generator=g).half()
+        rows = rows_for(tok_s, tok_p, cache.layout.rows_per_slot)
+        store(cache.k_rows(1), cache.v_rows(1), kv[0], kv[1], rows, backend="triton")
+        q = torch.randn(2, 8, 16, generator=g).half()
+        st, sl = torch.tensor(use), torch.tensor(lens, dtype=torch.int32)
+        from vattn.core.ops.triton_decode import decode_triton
+        out = decode_triton(q, cache.k(1), cache.v(1), slots=st, seqlens=sl, max_seqlen_k=300,
+                            scale=0.25, out=torch.empty_like(q), num_splits=2)
+        ref = naive_decode(q, cache.k(1), cache.v(1), st, sl, 0.25)
+        torch.testing.assert_close(out.double(), ref, **TOL[torch.float16])

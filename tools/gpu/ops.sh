@@ -1,53 +1,65 @@
 #!/usr/bin/env bash
-# GPU checks of vattn.core.ops on one H200, ~6 minutes. Run from the repository root:
-#   OUT=/some/dir bash tools/gpu/ops.sh
-# Writes under $OUT: env.txt, gpu_tests.txt (+ junit xml), triton_decode_tuning.{txt,json},
-# attention.{json,md,txt} + attention_*_ratio.png, layout.{json,md,txt}, BENCHMARKS.md.
-# Optional: vLLM 0.26.0 staged on PYTHONPATH adds the FA3/FA2 paged baselines.
+# GPU checks of vattn.core.ops on one H200 (~12 minutes with every stage: split it over two calls
+# with VATTN_STAGES, e.g. "tests" then "attention flex layout"). From the repository root:
+#   OUT=/some/dir [VATTN_STAGES="tests attention flex layout"] [GROUP=4] bash tools/gpu/ops.sh
+# vLLM 0.26.0 staged on PYTHONPATH adds the FA3/FA2 kernels and their paged baselines.
+# Writes $OUT/ops_results.tgz (env, test logs + junit, attention/layout json/md/png, BENCHMARKS.md).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}
-mkdir -p "$OUT"
+R=$(mktemp -d)
+STAGES=${VATTN_STAGES:-tests attention flex layout}
+GROUP=${GROUP:-4}
 REPO=$(pwd)
 SITE=$(mktemp -d)
 ln -s "$REPO" "$SITE/vattn"                      # the repo root is the package vattn
 export PYTHONPATH="$SITE:${PYTHONPATH:-}"
 PY=${PYTHON:-python3}
+has() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
+pack() { mkdir -p "$OUT" && cp BENCHMARKS.md "$R/" 2>/dev/null; tar -czf "$OUT/ops_results.tgz" -C "$R" .; }
+# every stage packs what it has, so a call cut short still brings back the finished stages
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  $PY -c "import vllm; print('vllm', vllm.__version__)" 2>/dev/null || echo "vllm: not staged"
   $PY -c "from vattn.core.ops import installed_backends as b; print('backends', sorted(b()))"
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+} > "$R/env.txt" 2>&1
+cat "$R/env.txt"
 
-echo "== GPU tests"
-timeout 150 $PY -m pytest -q -m gpu tests/core/test_ops_store.py tests/core/test_ops_decode.py \
-  tests/core/test_ops_prefill.py tests/core/test_ops_dispatch.py -p no:cacheprovider \
-  --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.txt" 2>&1
-tail -5 "$OUT/gpu_tests.txt"
+if has tests; then
+  # one process per file: a CUDA error in one cannot poison the next file's tests
+  for f in store decode prefill dispatch; do
+    echo "== GPU tests: $f"
+    timeout 240 $PY -m pytest -q -m gpu "tests/core/test_ops_$f.py" -p no:cacheprovider \
+      --durations=5 --junitxml="$R/gpu_tests_$f.xml" > "$R/gpu_tests_$f.txt" 2>&1
+    tail -2 "$R/gpu_tests_$f.txt"
+  done
+  pack
+fi
 
-echo "== Triton decode tuning"
-timeout 120 $PY tools/gpu/tune_decode.py --out "$OUT" 2>&1 | tee "$OUT/triton_decode_tuning.txt" | grep -E "best|BEST"
-
-echo "== bench attention"
-timeout 150 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/attention.txt" | tail -30
-import argparse, sys
-from vattn.bench import attention
-p = argparse.ArgumentParser(); attention.add_arguments(p)
-args = p.parse_args(["--models", "llama3-8b,yi-6b,yi-34b", "--contexts", "1024,8192,32768,131072",
-                     "--batches", "1,16,64,256", "--prefill-contexts", "16384,32768",
-                     "--max-tokens", str(2 << 20), "--out", sys.argv[1]])
-raise SystemExit(attention.run(args))
-PY
-
-echo "== bench layout"
-timeout 120 $PY - "$OUT" <<'PY' 2>&1 | tee "$OUT/layout.txt" | tail -15
-import argparse, sys
-from vattn.bench import layout
-p = argparse.ArgumentParser(); layout.add_arguments(p)
-args = p.parse_args(["--model-shape", "llama3-8b", "--groups", "split,1,2,4,8,all",
-                     "--decode-cases", "128x2048,32x8192", "--prefill-cases", "1x16384",
-                     "--out", sys.argv[1]])
-raise SystemExit(layout.run(args))
-PY
-cp BENCHMARKS.md "$OUT/" 2>/dev/null || true
-echo "results in $OUT"
+bench() {  # bench NAME ARGS... : run vattn bench NAME with a time limit, log to $R/NAME*.txt
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" $PY -u -m vattn bench "$name" --out "$R" "$@" 2>&1
+}
+if has attention; then
+  echo "== bench attention (G=$GROUP)"
+  bench attention 240 --models llama3-8b,yi-6b,yi-34b --contexts 1024,8192,32768,131072 \
+    --batches 1,16,64,256 --prefill-contexts 8192,16384,32768 --group-size "$GROUP" \
+    > "$R/attention.txt"
+  tail -60 "$R/attention.txt"; pack
+fi
+if has flex; then
+  echo "== bench attention with FlexAttention paged (few shapes: compiles per shape)"
+  mkdir -p "$R/flex"
+  timeout 200 $PY -u -m vattn bench attention --out "$R/flex" --no-report --flex --models llama3-8b \
+    --contexts 8192 --batches 16,64 --prefill-contexts 16384 --group-size "$GROUP" 2>&1 \
+    > "$R/flex/attention.txt"
+  tail -8 "$R/flex/attention.txt"; pack
+fi
+if has layout; then
+  echo "== bench layout"
+  bench layout 200 --model-shape llama3-8b --groups split,1,2,4,8,all \
+    --decode-cases 128x2048,32x8192,8x32768 --prefill-cases 1x16384 > "$R/layout.txt"
+  tail -14 "$R/layout.txt"; pack
+fi
+pack
+echo "results in $OUT/ops_results.tgz"

@@ -1,54 +1,77 @@
 #!/usr/bin/env bash
-# vLLM on one GPU: stock paged (FLASH_ATTN) vs one block per request (ceiling) vs vattn (CUSTOM).
-# Needs vLLM 0.26.0 importable (e.g. staged into a directory on PYTHONPATH: VATTN_VLLM_SITE).
-# Writes $OUT/vllm_<workload>_<mode>.json and $OUT/vllm_summary.txt. About 8 minutes.
-# The vattn GPU path is not implemented yet: its runs are expected to fail with UnsupportedError,
-# which is recorded in the summary (the stock and ceiling columns are still measured).
+# vLLM 0.26.0 on one GPU (H200): smoke -> identity -> throughput, each mode in its own engine:
+#   stock   FLASH_ATTN, paged, block 16
+#   ceiling FLASH_ATTN, one max_model_len block per request (num_gpu_blocks_override = seqs + 1)
+#   vattn   CUSTOM (vattn): vLLM's FA3 on virtually contiguous KV, block = one page-set
+# Needs vLLM 0.26.0 importable (from PYTHONPATH, or a staged directory VATTN_VLLM_SITE). Fits one
+# 9-minute call. A failed smoke stage stops the run unless VATTN_CONTINUE=1.
+#   VATTN_STAGES     stages, in order (default "smoke identity throughput")
+#   VATTN_WORKLOADS  throughput workloads (default "decode-heavy"; also "prefill-heavy long-context")
+#   VATTN_BUDGET_S   wall budget of the script (default 530 s): a stage is skipped, and says so,
+#                    when less than its minimum time is left
+#   VATTN_MODES / VATTN_IDENTITY_MODES / VATTN_IDENTITY_EAGER / VATTN_GROUP_SIZE /
+#   VATTN_CUDAGRAPH_MODE (e.g. PIECEWISE, all modes alike): see adapters/vllm/gpu_run.py
+# Expected on an H200 (engine start ~55 s for the 8B shape with torch.compile + CUDA graphs):
+#   smoke ~1.5 min, identity ~2.5 min, decode-heavy ~4.5 min, prefill-heavy ~4.5 min,
+#   long-context ~5.5 min -> call 1: defaults; call 2: VATTN_STAGES=throughput
+#   VATTN_WORKLOADS=prefill-heavy; call 3: VATTN_STAGES=throughput VATTN_WORKLOADS=long-context.
+# Results: $OUT/vllm_results.tgz (JSON per stage, engine logs) and $OUT/vllm_summary.txt.
 set -u
-OUT=${OUT:-/tmp/vattn-out}
-mkdir -p "$OUT"
+OUT=${OUT:-/tmp/vattn-out}; mkdir -p "$OUT"
+W=$(mktemp -d); R=$W/vllm; mkdir -p "$R/logs"   # work files stay out of $OUT: only 2 files go there
+SUM=$R/summary.txt; : > "$SUM"
+START=$(date +%s); BUDGET=${VATTN_BUDGET_S:-530}
 if [ -n "${VATTN_VLLM_SITE:-}" ]; then export PYTHONPATH="$VATTN_VLLM_SITE:${PYTHONPATH:-}"; fi
-# the repository root is the package `vattn`: expose it under that name
-PKG=$(mktemp -d); ln -s "$(cd "$(dirname "$0")/../.." && pwd)" "$PKG/vattn"
-export PYTHONPATH="$PKG:${PYTHONPATH:-}"
-export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
-# usage: tools/gpu/vllm.sh [identity] [decode-heavy] [prefill-heavy] [long-context]  (default: all)
-python3 - "$OUT" "$@" <<'PY'
-import json, random, sys
-out, wanted = sys.argv[1], sys.argv[2:]
-from vattn.conformance.models import build_model
-from vattn.adapters.vllm.conformance import VllmRunner
-model = build_model("llama3-8b-shape", "/tmp/vattn-llama8b", seed=0, dtype="bfloat16", device="cuda")
-rng = random.Random(0)
-def prompts(n, plen):
-    return [[rng.randrange(10, 120000) for _ in range(plen)] for _ in range(n)]
-workloads = {  # name -> (prompts, new tokens, max_num_seqs); sized to ~8 minutes in total
-    "identity": (prompts(16, 200), 32, 16),
-    "decode-heavy": (prompts(256, 512), 512, 256),
-    "prefill-heavy": (prompts(32, 16384), 64, 32),
-    "long-context": (prompts(8, 65536), 64, 8),
+# the repository root is the package `vattn`; vLLM finds plugins through package metadata, so a
+# two-line dist-info next to the link declares vattn's vllm.general_plugins entry point
+S=$(mktemp -d); ln -s "$(cd "$(dirname "$0")/../.." && pwd)" "$S/vattn"
+D=$S/vattn_gpu_shim-0.dist-info; mkdir -p "$D"
+printf 'Metadata-Version: 2.1\nName: vattn-gpu-shim\nVersion: 0\n' > "$D/METADATA"
+printf '[vllm.general_plugins]\nvattn = vattn.adapters.vllm.plugin:register\n' > "$D/entry_points.txt"
+export PYTHONPATH="$S:${PYTHONPATH:-}"
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1
+export VATTN_MODELS=${VATTN_MODELS:-/tmp/vattn-models}
+
+pack() { tar -czf "$OUT/vllm_results.tgz" -C "$W" vllm 2>/dev/null; cp "$SUM" "$OUT/vllm_summary.txt"; }
+
+# run_stage NAME MIN_S MAX_S CMD...: run under `timeout` if at least MIN_S of the budget is left;
+# returns the command's exit status (3 when skipped)
+run_stage() {
+  local name=$1 min=$2 max=$3; shift 3
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  if [ "$left" -lt "$min" ]; then
+    echo "== $name: SKIPPED (needs ${min} s, ${left} s of the budget left)" | tee -a "$SUM"; return 3
+  fi
+  local lim=$(( left < max ? left : max )) t0=$(date +%s)
+  echo "== $name (limit ${lim} s)" | tee -a "$SUM"
+  timeout -k 15 "$lim" "$@" > "$R/$name.out" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s$([ $rc -eq 124 ] && echo ' (TIMED OUT)')" | tee -a "$SUM"
+  tail -c 2500 "$R/$name.out" >> "$SUM"; echo >> "$SUM"
+  pack
+  return $rc
 }
-lines = []
-for name, (ps, new, seqs) in workloads.items():
-    if wanted and name not in wanted:
-        continue
-    runner = VllmRunner(device="cuda", max_num_seqs=seqs, timeout_s=600)
-    results = {}
-    for mode in runner.modes:
-        try:
-            res = runner.run(mode, model, ps, new, logprobs=5 if name == "identity" else 0,
-                             device="cuda", dtype="bfloat16")
-            results[mode] = res
-            json.dump(res.__dict__, open(f"{out}/vllm_{name}_{mode}.json", "w"))
-            lines.append(f"{name} {mode}: {res.seconds:.2f}s gen_tok/s={res.num_generated_tokens/res.seconds:.0f}")
-        except Exception as exc:  # report and go on: one failing mode must not hide the others
-            lines.append(f"{name} {mode}: FAILED {type(exc).__name__}: {str(exc)[-400:]}")
-        print(lines[-1], flush=True)
-    if name == "identity" and "stock" in results:
-        for mode in ("ceiling", "vattn"):
-            if mode in results:
-                same = results[mode].token_ids == results["stock"].token_ids
-                lines.append(f"identity {mode} vs stock: exact={same}")
-                print(lines[-1], flush=True)
-open(f"{out}/vllm_summary.txt", "a").write("\n".join(lines) + "\n")
-PY
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'
+} > "$R/env.txt" 2>&1
+cat "$R/env.txt" >> "$SUM"
+
+G="python3 -m vattn.adapters.vllm.gpu_run"
+for stage in ${VATTN_STAGES:-smoke identity throughput}; do
+  case "$stage" in
+    smoke)
+      if ! run_stage smoke 60 200 $G smoke --out "$R" && [ "${VATTN_CONTINUE:-0}" != 1 ]; then
+        echo "== smoke failed: later stages skipped (VATTN_CONTINUE=1 runs them anyway)" | tee -a "$SUM"
+        break
+      fi ;;
+    identity) run_stage identity 120 300 $G identity --out "$R" ;;
+    throughput)
+      for w in ${VATTN_WORKLOADS:-decode-heavy}; do
+        run_stage "throughput_$w" 200 380 $G throughput --workload "$w" --out "$R"
+      done ;;
+    *) echo "== unknown stage $stage (smoke | identity | throughput)" | tee -a "$SUM" ;;
+  esac
+done
+echo "== total $(( $(date +%s) - START )) s" | tee -a "$SUM"
+pack

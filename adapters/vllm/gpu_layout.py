@@ -1,0 +1,167 @@
+"""Engine-free geometry and config checks of the vLLM GPU path (no vLLM import: unit-testable).
+
+One vLLM *block* is one vattn *page-set* (one 2 MiB page in each of the ``L / G`` VA ranges),
+so ``block_size`` = tokens per page of the layer-group layout and vLLM's ``num_gpu_blocks``
+= page-sets the KV budget holds. vLLM's scheduler, admission and preemption then count exactly
+what vattn maps. The functions here take duck-typed vLLM config objects (only the attributes
+they read), so tests pass ``types.SimpleNamespace`` objects.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vattn.core import KVCacheConfig, layout_report
+from vattn.core.errors import ConfigError, UnsupportedError
+
+__all__ = ["PAGE_BYTES", "KV_TILE", "default_group_size", "group_size_for", "tokens_per_page",
+           "block_size_for_vllm", "cache_config", "check_engine_config", "check_kv_cache_config"]
+
+PAGE_BYTES = 2 << 20   # the CUDA VMM granularity on Hopper: one physical page
+#: FA3's key tile for head_dim <= 128 with causal masking. A page must hold a whole number of
+#: tiles: the TMA path of FA3 loads full tiles, and a tile crossing into an unmapped page faults.
+KV_TILE = 128
+_GROUP_ENV = "VATTN_GROUP_SIZE"
+
+
+def default_group_size(num_layers: int) -> int:
+    """Layers per VA range when ``VATTN_GROUP_SIZE`` is unset: 4 (measured best for Llama-3-8B
+    on the H200, design note 2), else the largest of 2, 1 dividing ``num_layers``."""
+    return next(g for g in (4, 2, 1) if num_layers % g == 0)
+
+
+def group_size_for(num_layers: int) -> int:
+    """``VATTN_GROUP_SIZE`` if set (must divide ``num_layers``), else :func:`default_group_size`."""
+    text = os.environ.get(_GROUP_ENV)
+    if text is None:
+        return default_group_size(num_layers)
+    try:
+        group = int(text)
+    except ValueError as exc:
+        raise ConfigError(f"{_GROUP_ENV} must be an int, got {text!r}") from exc
+    if group <= 0 or num_layers % group:
+        raise ConfigError(f"{_GROUP_ENV} must divide num_layers={num_layers}, got {group}")
+    return group
+
+
+def tokens_per_page(*, num_kv_heads: int, head_dim: int, dtype: torch.dtype, group_size: int,
+                    page_bytes: int = PAGE_BYTES) -> int:
+    """Tokens of ``group_size`` layers one page holds = the vLLM ``block_size`` vattn needs.
+
+    Raises
+    ------
+    ConfigError
+        The page does not hold a whole number of tokens, or not a multiple of :data:`KV_TILE`.
+    """
+    rep = layout_report(num_layers=group_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        dtype=dtype, group_size=group_size, page_bytes=page_bytes)
+    if page_bytes % rep.token_bytes:
+        raise ConfigError(f"a {page_bytes}-byte page holds {rep.tokens_per_page:.2f} tokens of "
+                          f"{group_size} layers (token = {rep.token_bytes} bytes); vattn's vLLM path "
+                          f"needs a whole number: pick another {_GROUP_ENV}")
+    tokens = page_bytes // rep.token_bytes
+    if tokens % KV_TILE:
+        raise ConfigError(f"tokens per page must be a multiple of {KV_TILE} (FA3's key tile), got "
+                          f"{tokens} with {_GROUP_ENV}={group_size}; use a smaller group size")
+    return tokens
+
+
+def _kv_dtype(model_config, cache_config) -> torch.dtype:
+    cache_dtype = getattr(cache_config, "cache_dtype", "auto")
+    if cache_dtype not in ("auto", None):
+        raise UnsupportedError(f"vattn's vLLM GPU path stores KV in the model dtype; "
+                               f"kv_cache_dtype={cache_dtype!r} is not supported yet")
+    return model_config.dtype
+
+
+def block_size_for_vllm(vllm_config) -> int:
+    """The ``block_size`` vattn needs for this engine config (the backend's preferred size)."""
+    model, par = vllm_config.model_config, vllm_config.parallel_config
+    return tokens_per_page(num_kv_heads=model.get_num_kv_heads(par), head_dim=model.get_head_size(),
+                           dtype=_kv_dtype(model, vllm_config.cache_config),
+                           group_size=group_size_for(model.get_num_layers(par)))
+
+
+def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 num_blocks: int, max_num_reqs: int, max_model_len: int, device: str,
+                 group_size: int | None = None) -> KVCacheConfig:
+    """The :class:`KVCacheConfig` matching vLLM's block accounting.
+
+    ``page_budget`` = ``num_blocks`` page-sets: one for the padding slot (vLLM keeps block 0 as
+    its null block, never handed to a request) and exactly the ``num_blocks - 1`` the scheduler
+    may hand out. Map-ahead is off: vLLM already asks for each block just in time, and pages
+    mapped ahead would be pages the scheduler believes are free.
+    """
+    group = group_size_for(num_layers) if group_size is None else group_size
+    block = tokens_per_page(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, group_size=group)
+    page_set = num_layers // group * PAGE_BYTES
+    max_context = -(-max_model_len // block) * block   # a request's last block may pass max_model_len
+    return KVCacheConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         dtype=dtype, max_slots=max_num_reqs, max_context=max_context,
+                         group_size=group, page_budget=num_blocks * page_set, page_bytes=PAGE_BYTES,
+                         device=device, map_ahead_tokens=0)
+
+
+def check_engine_config(vllm_config) -> None:
+    """Refuse engine features the GPU path does not implement (before anything is allocated).
+
+    Raises
+    ------
+    ConfigError
+        Prefix caching on, vLLM's own CuMem (sleep-mode) allocator on, or a backend other than
+        ``CUSTOM`` selected while ``VATTN_VLLM=1``.
+    UnsupportedError
+        Speculative decoding, KV transfer, context parallelism, MLA or a quantized KV cache.
+    """
+    cache, model, par = vllm_config.cache_config, vllm_config.model_config, vllm_config.parallel_config
+    if getattr(cache, "enable_prefix_caching", False):
+        raise ConfigError("vattn does not support vLLM prefix caching yet: pass "
+                          "enable_prefix_caching=False (--no-enable-prefix-caching)")
+    if getattr(model, "enable_sleep_mode", False) or getattr(model, "enable_cumem_allocator", False):
+        raise ConfigError("vattn manages KV memory with its own CUDA VMM pool: turn off vLLM's "
+                          "sleep mode / enable_cumem_allocator")
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    if getattr(backend, "name", backend) != "CUSTOM":
+        raise ConfigError(f"VATTN_VLLM=1 replaces the KV cache, so the attention backend must be "
+                          f"vattn's: pass attention_backend='CUSTOM' (got {backend!r})")
+    refused = {"speculative decoding": getattr(vllm_config, "speculative_config", None) is not None,
+               "KV transfer / disaggregated serving": getattr(vllm_config, "kv_transfer_config", None)
+               is not None,
+               "decode context parallelism": getattr(par, "decode_context_parallel_size", 1) > 1,
+               "prefill context parallelism": getattr(par, "prefill_context_parallel_size", 1) > 1,
+               "MLA attention": bool(getattr(model, "use_mla", False))}
+    found = [name for name, on in refused.items() if on]
+    if found:
+        raise UnsupportedError(f"vattn's vLLM GPU path does not support {', '.join(found)} yet")
+    _kv_dtype(model, cache)
+
+
+def check_kv_cache_config(kv_cache_config, *, block_size: int, page_set_bytes: int) -> None:
+    """One full-attention KV group whose block is exactly one vattn page-set.
+
+    Raises
+    ------
+    UnsupportedError
+        Several KV groups (hybrid, sliding-window or Mamba layers) or a non-full-attention spec.
+    ConfigError
+        The engine's block size differs from the page's tokens.
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise UnsupportedError(f"vattn's vLLM GPU path needs one KV cache group (full attention in "
+                               f"every layer), got {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    if type(spec).__name__ != "FullAttentionSpec" or getattr(spec, "sliding_window", None) \
+            or getattr(spec, "attention_chunk_size", None):
+        raise UnsupportedError(f"vattn's vLLM GPU path needs full causal attention, got {spec!r}")
+    if spec.block_size != block_size:
+        raise ConfigError(f"vattn needs block_size={block_size} (tokens per {PAGE_BYTES >> 20} MiB page "
+                          f"of the layer-group layout), got {spec.block_size}: leave block_size unset "
+                          f"(the CUSTOM backend picks it) or pass block_size={block_size}")
+    per_block = getattr(spec, "page_size_bytes", None)
+    layers = len(groups[0].layer_names)
+    if per_block is not None and per_block * layers != page_set_bytes:
+        raise ConfigError(f"one vLLM block of {layers} layers is {per_block * layers} bytes but one "
+                          f"vattn page-set is {page_set_bytes}: the budgets would disagree")

@@ -1,0 +1,223 @@
+"""The GPU stages behind ``tools/gpu/vllm.sh`` (vLLM 0.26.0 on one H200).
+
+``python -m vattn.adapters.vllm.gpu_run STAGE --out DIR [--workload NAME]``; STAGE is
+
+* ``smoke``: first the checks (version gate, entry point visible, GPU modules import), then a
+  tiny random model, ``stock`` vs ``vattn`` eager, a few tokens each, compared;
+* ``identity``: 8-layer model with Llama-3-8B attention shapes and random weights (std 0.02),
+  modes of ``VATTN_IDENTITY_MODES`` (default ``stock vattn``), CUDA graphs unless
+  ``VATTN_IDENTITY_EAGER=1``; judged by :func:`vattn.conformance.identity.compare`;
+* ``throughput``: Llama-3-8B shape, ``load_format="dummy"``, modes ``stock ceiling vattn`` (or
+  ``VATTN_MODES``) on one of :data:`WORKLOADS`.
+
+Each stage writes ``DIR/<stage>[_<workload>].json`` and the engine logs under ``DIR/logs``.
+``VATTN_CUDAGRAPH_MODE`` (e.g. ``PIECEWISE``) sets vLLM's ``cudagraph_mode`` for every mode alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+__all__ = ["WORKLOADS", "LLAMA3_8B", "IDENTITY_MODEL", "waste_per_request", "main"]
+
+#: name -> (num prompts, prompt length, new tokens, max_num_seqs) — the issue's workloads
+WORKLOADS = {"decode-heavy": (256, 512, 512, 256), "prefill-heavy": (32, 16384, 64, 32),
+             "long-context": (8, 65536, 64, 8)}
+LLAMA3_8B = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                 head_dim=128, intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
+                 max_position_embeddings=131072)
+IDENTITY_MODEL = dict(LLAMA3_8B, num_hidden_layers=8, intermediate_size=4096, vocab_size=32000,
+                      max_position_embeddings=8192)
+_BYTES_PER_TOKEN_8B = 32 * 2 * 8 * 128 * 2   # all layers, K and V, bf16
+
+
+def waste_per_request(mode: str, *, max_model_len: int, shortest: int, metrics: dict | None) -> int:
+    """Worst-case bytes a request of this workload holds but does not use (Llama-3-8B shape).
+
+    ``shortest``: the fewest tokens a request holds (prompt + 1); the ceiling wastes the rest of
+    its ``max_model_len`` block, stock at most 15 tokens of a 16-token block, vattn at most one
+    partly filled page per VA range (the layout's ``worst_waste_bytes``).
+    """
+    if mode == "stock":
+        return 15 * _BYTES_PER_TOKEN_8B                        # a 16-token block, one token used
+    if mode == "ceiling":
+        return (max_model_len - shortest) * _BYTES_PER_TOKEN_8B   # one max_model_len block each
+    return int(((metrics or {}).get("layout") or {}).get("worst_waste_bytes", -1))
+
+
+def _runner(out: str, tag: str, max_num_seqs: int, modes, **engine_args):
+    from vattn.adapters.vllm.conformance import VllmRunner
+    if os.environ.get("VATTN_CUDAGRAPH_MODE"):   # e.g. PIECEWISE, to rule out FULL graphs
+        engine_args["compilation_config"] = {"cudagraph_mode": os.environ["VATTN_CUDAGRAPH_MODE"]}
+    return VllmRunner(device="cuda", max_num_seqs=max_num_seqs, timeout_s=float(os.environ.get(
+        "VATTN_RUN_TIMEOUT", 420)), engine_args=engine_args, modes=tuple(modes),
+        log_dir=os.path.join(out, "logs"), tag=tag)
+
+
+def _modes(env: str, default: str) -> list[str]:
+    return os.environ.get(env, default).split()
+
+
+def _run_all(runner, model, prompts, new_tokens, *, logprobs: int) -> tuple[dict, dict]:
+    results, errors = {}, {}
+    for mode in runner.modes:
+        start = time.perf_counter()
+        try:
+            results[mode] = runner.run(mode, model, prompts, new_tokens, logprobs=logprobs,
+                                       device="cuda", dtype="bfloat16")
+        except Exception as exc:  # record and go on: one failing mode must not hide the others
+            errors[mode] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
+        print(f"[{runner.tag}] {mode}: {'ok' if mode in results else 'FAILED'} "
+              f"({time.perf_counter() - start:.0f} s incl. engine start)", flush=True)
+    return results, errors
+
+
+def stage_check(args) -> dict:
+    from importlib import metadata
+    from vattn.adapters.vllm.version import check_version, vllm_version
+    eps = [ep.value for ep in metadata.entry_points(group="vllm.general_plugins")]
+    visible = any(v.startswith("vattn.adapters.vllm.plugin") for v in eps)
+    # in a child: importing vLLM's FA backend initializes CUDA, which this process must not hold
+    code = "import vattn.adapters.vllm.backend_gpu, vattn.adapters.vllm.gpu_hooks as h; h.install_gpu()"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return {"vllm": vllm_version(), "family": check_version(), "entry_points": eps,
+            "plugin_visible": visible, "gpu_modules_import": child.returncode == 0,
+            "import_error": child.stderr[-3000:] if child.returncode else None,
+            "ok": visible and child.returncode == 0}
+
+
+def stage_smoke(args) -> dict:
+    from vattn.conformance.models import build_model, random_prompts
+    check = stage_check(args)
+    if not check["ok"]:
+        return {"ok": False, "check": check, "errors": {"check": "entry point not visible (install "
+                "vattn or put a dist-info shim on PYTHONPATH) or GPU modules failed to import"}}
+    model = build_model("tiny", os.path.join(args.models, "tiny-bf16"), seed=3, dtype="bfloat16",
+                        device="cpu")
+    prompts = random_prompts(6, [5, 17, 40, 64, 90, 130], vocab_size=1024, seed=11)
+    runner = _runner(args.out, "smoke", 4, ("stock", "vattn"), enforce_eager=True,
+                     gpu_memory_utilization=0.25)
+    results, errors = _run_all(runner, model, prompts, 8, logprobs=0)
+    exact = "stock" in results and "vattn" in results and \
+        results["stock"].token_ids == results["vattn"].token_ids
+    return {"ok": exact and not errors, "check": check, "exact": exact, "errors": errors,
+            "tokens": {m: r.token_ids for m, r in results.items()},
+            "vattn_metrics": results["vattn"].extra.get("vattn_metrics") if "vattn" in results else None}
+
+
+def stage_identity(args) -> dict:
+    from vattn.conformance.identity import compare
+    from vattn.conformance.models import build_model, check_not_degenerate, random_prompts
+    model = build_model(IDENTITY_MODEL, os.path.join(args.models, "identity-8l"), seed=0,
+                        dtype="bfloat16", device="cuda")
+    _free_cuda()
+    lengths = [64 + (i * 389) % 1800 for i in range(16)]          # crosses many 128-token pages
+    prompts = random_prompts(16, lengths, vocab_size=IDENTITY_MODEL["vocab_size"], seed=5)
+    eager = os.environ.get("VATTN_IDENTITY_EAGER", "0") == "1"
+    runner = _runner(args.out, "identity", 8, _modes("VATTN_IDENTITY_MODES", "stock vattn"),
+                     enforce_eager=eager)
+    results, errors = _run_all(runner, model, prompts, 48, logprobs=5)
+    report = {"eager": eager, "errors": errors, "modes": list(results), "ok": not errors}
+    if "stock" in results:
+        report["not_degenerate"] = check_not_degenerate(results["stock"].token_ids)
+        report["ok"] &= report["not_degenerate"]["ok"]
+        for mode in (m for m in results if m != "stock"):
+            cmp = compare(results["stock"], results[mode]).to_dict()
+            report[f"{mode}_vs_stock"] = {k: cmp[k] for k in ("ok", "exact", "exact_match_rate",
+                                          "token_match_rate", "near_ties", "mismatches", "worst_gap")}
+            report["ok"] &= cmp["ok"]
+    if "vattn" in results:
+        report["vattn_metrics"] = results["vattn"].extra.get("vattn_metrics")
+    return report
+
+
+def stage_throughput(args) -> dict:
+    from vattn.conformance.models import random_prompts
+    from vattn.conformance.throughput import summarize
+    num, plen, new, seqs = WORKLOADS[args.workload]
+    model = _config_only_model(os.path.join(args.models, "llama3-8b-dummy"))
+    prompts = random_prompts(num, plen, vocab_size=LLAMA3_8B["vocab_size"], seed=7)
+    runner = _runner(args.out, args.workload, seqs, _modes("VATTN_MODES", "stock ceiling vattn"),
+                     load_format="dummy", max_num_batched_tokens=16384)
+    results, errors = _run_all(runner, model, prompts, new, logprobs=0)
+    report = {"workload": args.workload, "shape": [num, plen, new, seqs], "errors": errors,
+              "ok": not errors, "rows": summarize(results, "stock") if "stock" in results else {}}
+    max_len = -(-(plen + new) // 256) * 256
+    for mode, res in results.items():
+        metrics = res.extra.get("vattn_metrics")
+        row = report["rows"].setdefault(mode, {"seconds": res.seconds})
+        row |= {"init_s": res.extra.get("init_s"), "num_gpu_blocks": res.extra.get("num_gpu_blocks"),
+                "worst_waste_MiB_per_request": waste_per_request(
+                    mode, max_model_len=max_len, shortest=plen + 1, metrics=metrics) / 2**20}
+        if metrics:
+            row["vmm_critical_path"] = _vmm_summary(metrics)
+    return report
+
+
+def _vmm_summary(m: dict) -> dict:
+    """Host time vattn spent on the step's critical path, from the core's metrics."""
+    def total_ms(h):
+        return round((h or {}).get("mean_us", 0) * (h or {}).get("count", 0) / 1e3, 2)
+    return {"apply_total_ms": total_ms(m.get("apply_step_us")),
+            "apply_p99_us": (m.get("apply_step_us") or {}).get("p99_us"),
+            "ensure_total_ms": total_ms(m.get("ensure_us")), "map_total_ms": total_ms(m.get("map_page_us")),
+            "pages_mapped_on_demand": m.get("pages_mapped_on_demand"), "unmap_calls": m.get("unmap_calls"),
+            "fence_waits": m.get("fence_waits"), "warm_hits": m.get("warm_hits"),
+            "pool_init_s": m.get("init_s"), "layout": m.get("layout")}
+
+
+def _free_cuda() -> None:
+    """Hand the model build's cached blocks back: every engine sizes its KV from free memory."""
+    import gc
+
+    import torch
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _config_only_model(path: str) -> str:
+    """A ``config.json`` of the Llama-3-8B shape (``load_format="dummy"`` needs no weights)."""
+    from transformers import LlamaConfig
+    if not os.path.exists(os.path.join(path, "config.json")):
+        cfg = LlamaConfig(**LLAMA3_8B, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+        cfg.architectures = ["LlamaForCausalLM"]
+        cfg.dtype = "bfloat16"
+        cfg.save_pretrained(path)
+    return path
+
+
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+_STAGES = {"smoke": stage_smoke, "identity": stage_identity,
+           "throughput": stage_throughput}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vattn.adapters.vllm.gpu_run")
+    parser.add_argument("stage", choices=sorted(_STAGES))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--models", default=os.environ.get("VATTN_MODELS", "/tmp/vattn-models"))
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="decode-heavy")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    signal.signal(signal.SIGTERM, _stop)   # `timeout` stops us: still kill the engine processes
+    start = time.perf_counter()
+    report = _STAGES[args.stage](args)
+    report["stage_s"] = round(time.perf_counter() - start, 1)
+    name = args.stage + (f"_{args.workload}" if args.stage == "throughput" else "")
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+        json.dump(report, f, indent=1, default=repr)
+    print(json.dumps({k: v for k, v in report.items() if k not in ("tokens",)}, default=repr)[:4000])
+    return 0 if report.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The GPU runner's half of the adapter: request index -> slot, pages per block, KV views.
+
+Engine-free (vattn.core + torch only), so it runs on the host backend in CI. The hooks of
+:mod:`.gpu_hooks` drive it from vLLM's V2 model runner:
+
+* a request index receives blocks (``BlockTables.append_block_ids``) -> :meth:`GpuRuntime.on_blocks`
+  (a new request first acquires a slot);
+* once per step, before the inputs are prepared (``BlockTables.apply_staged_writes``) ->
+  :meth:`GpuRuntime.apply`: one ``ensure`` for every request that got blocks, then the
+  index -> slot table is uploaded;
+* a request leaves (``GPUModelRunner._remove_request``) -> :meth:`GpuRuntime.release` (the core
+  records a CUDA event on the current stream; pages stay warm and are unmapped only after it).
+
+Everything here is host-side and may synchronize; none of it runs inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from vattn.core import KVCacheConfig, VirtualKVCache, layout_report
+from vattn.core.errors import ConfigError, VattnError
+from vattn.core.metrics import Histogram
+
+from .slot_tables import SlotTables
+
+__all__ = ["GpuRuntime"]
+
+
+class GpuRuntime:
+    """Slots, pages and KV views for one vLLM GPU worker.
+
+    Parameters
+    ----------
+    config : KVCacheConfig
+        From :func:`.gpu_layout.cache_config` (``max_slots`` = vLLM's ``max_num_seqs``).
+    block_size : int
+        vLLM's block size; must equal the tokens one page-set holds.
+    layer_names : list[str]
+        The KV group's attention layers; their order is the local layer index.
+    max_num_tokens : int
+        ``max_num_batched_tokens`` (length of the slot-mapping buffer).
+    """
+
+    def __init__(self, config: KVCacheConfig, *, block_size: int, layer_names: list[str],
+                 max_num_tokens: int):
+        start = time.perf_counter()
+        if len(layer_names) != config.num_layers:
+            raise ConfigError(f"{len(layer_names)} layer names for a cache of {config.num_layers} layers")
+        self.cache = VirtualKVCache(config)
+        lay = self.cache.layout
+        if lay.tokens_for(1) != block_size or lay.pages_for(block_size) != 1:
+            raise ConfigError(f"block_size {block_size} is not one page-set ({lay.tokens_for(1)} tokens)")
+        self.block_size = block_size
+        self.rows_per_slot = lay.rows_per_slot
+        self.layer_of = {name: i for i, name in enumerate(layer_names)}
+        self.tables = SlotTables(max_num_reqs=config.max_slots, max_num_tokens=max_num_tokens,
+                                 rows_per_slot=lay.rows_per_slot, padding_slot=self.cache.padding_slot,
+                                 device=config.torch_device)
+        self._slot: dict[int, int] = {}        # request index -> vattn slot
+        self._pending: dict[int, int] = {}     # request index -> tokens its blocks cover
+        self._kv: dict[int, torch.Tensor] = {}
+        self.step_us = Histogram()             # host time of apply() (ensure + upload) per step
+        self.init_s = time.perf_counter() - start
+
+    # -- host side ---------------------------------------------------------------------------
+    def on_blocks(self, index: int, num_blocks: int, *, new_request: bool) -> None:
+        """Request ``index`` now holds ``num_blocks`` blocks; a new request takes a slot first."""
+        tokens = min(num_blocks * self.block_size, self.cache.config.max_context)
+        if new_request:
+            if index in self._slot:                     # re-added without a removal: a new request
+                self.release(index)
+            slot = self._slot[index] = self.cache.acquire(expected_len=tokens)
+            self.tables.assign(index, slot)
+        elif index not in self._slot:
+            raise VattnError(f"request index {index} got blocks but holds no vattn slot")
+        self._pending[index] = tokens
+
+    def apply(self) -> None:
+        """Map the pages of every request that got blocks this step; upload the slot table.
+
+        Raises
+        ------
+        VattnError
+            A slot could not be grown. vLLM admitted the blocks, so this means vLLM's block count
+            and vattn's page pool disagree (a bug), not memory pressure.
+        """
+        start = time.perf_counter()
+        if self._pending:
+            indices = list(self._pending)
+            slots = np.fromiter((self._slot[i] for i in indices), dtype=np.int64, count=len(indices))
+            lengths = np.fromiter(self._pending.values(), dtype=np.int64, count=len(indices))
+            self._pending.clear()
+            failed = self.cache.ensure(slots, lengths)
+            if failed:
+                raise VattnError(f"vattn could not map pages for slots {failed} although vLLM "
+                                 f"allocated their blocks; capacity: {self.cache.capacity()}")
+        self.tables.upload()
+        self.step_us.observe((time.perf_counter() - start) * 1e6)
+
+    def release(self, index: int) -> None:
+        """Request ``index`` left (finished, aborted or preempted): release its slot, fenced."""
+        slot = self._slot.pop(index, None)
+        self._pending.pop(index, None)
+        if slot is not None:
+            self.cache.release(slot)
+            self.tables.clear(index)
+
+    def slot(self, index: int) -> int | None:
+        return self._slot.get(index)
+
+    @property
+    def padding_tokens(self) -> int:
+        """Rows of the padding slot that are mapped (dummy runs must not read beyond them)."""
+        return self.cache.layout.tokens_for(1)
+
+    # -- views (fixed for the runtime's lifetime) ----------------------------------------------
+    def kv_view(self, layer: int) -> torch.Tensor:
+        """K and V of ``layer`` as one ``[2, max_slots + 1, rows_per_slot, H, D]`` strided tensor.
+
+        ``view[0]`` is :meth:`VirtualKVCache.k`, ``view[1]`` :meth:`VirtualKVCache.v`; dim 0 steps
+        from K to V inside the same VA reservation (last dim contiguous).
+        """
+        if layer not in self._kv:
+            k, v = self.cache.k(layer), self.cache.v(layer)
+            gap = v.storage_offset() - k.storage_offset()
+            if gap <= 0 or k.stride() != v.stride() or k.untyped_storage().data_ptr() != \
+                    v.untyped_storage().data_ptr():
+                raise VattnError(f"layer {layer}: K and V views do not share one strided layout")
+            self._kv[layer] = k.as_strided((2, *k.shape), (gap, *k.stride()), k.storage_offset())
+        return self._kv[layer]
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """Core metrics plus this adapter's step timing and the layout's worst-case waste."""
+        cfg = self.cache.config
+        rep = layout_report(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                            head_dim=cfg.head_dim, dtype=cfg.dtype, group_size=cfg.group_size,
+                            split_kv=cfg.split_kv, page_bytes=self.cache.layout.page_bytes)
+        return self.cache.metrics() | {
+            "apply_step_us": self.step_us.as_dict(), "init_s": self.init_s,
+            "block_size": self.block_size, "rows_per_slot": self.rows_per_slot,
+            "layout": rep.as_row() | {"worst_waste_bytes": rep.worst_waste_bytes}}
+
+    def close(self) -> None:
+        self._kv.clear()
+        self.cache.close()

@@ -1,0 +1,124 @@
+"""Block table and slot mapping in vattn's one-page-per-request form (engine-free, torch only).
+
+vLLM's attention kernels address KV as ``cache[block_table[b, j], pos % block_size]``. vattn
+hands them the layer view ``[max_slots + 1, rows_per_slot, H, D]`` as a paged cache whose page
+is a whole slot region, so a request needs one block-table entry (its slot) and token ``p`` is
+stored at flat row ``slot * rows_per_slot + p``. The tables live in persistent buffers (fixed
+addresses), so CUDA graphs captured on them stay valid; padding rows point at the always-mapped
+padding slot and padding tokens at ``-1`` (the store kernels skip negative rows).
+
+Host side: :meth:`SlotTables.assign` / :meth:`clear` / :meth:`upload` (may copy host to device).
+Device side, graph-safe to *replay* (they run eagerly before replay and write in place):
+:meth:`gather_block_table`, :meth:`compute_slot_mapping`, the ``dummy_*`` fills.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vattn.core.errors import SlotError
+
+__all__ = ["SlotTables", "PAD_ROW"]
+
+PAD_ROW = -1   # vLLM's PAD_SLOT_ID: the store kernel skips these tokens
+
+
+class SlotTables:
+    """Persistent per-step tables for one KV cache group.
+
+    Parameters
+    ----------
+    max_num_reqs : int
+        vLLM's request-state rows (``max_num_seqs``); row ``i`` is the runner's request index.
+    max_num_tokens : int
+        ``max_num_batched_tokens``: length of the slot-mapping buffer.
+    rows_per_slot : int
+        Rows of the flattened layer view owned by one slot.
+    padding_slot : int
+        The always-mapped slot (``max_slots``) that padding rows and unassigned indices read.
+    device : torch.device | str
+    """
+
+    def __init__(self, *, max_num_reqs: int, max_num_tokens: int, rows_per_slot: int,
+                 padding_slot: int, device):
+        self.rows_per_slot = rows_per_slot
+        self.padding_slot = padding_slot
+        self.device = torch.device(device)
+        self.slot_of_index = np.full(max_num_reqs, padding_slot, dtype=np.int32)   # host truth
+        self._slot_dev = torch.full((max_num_reqs,), padding_slot, dtype=torch.int32, device=device)
+        # block_table: [max_num_reqs, 1] int32; slot_mapping: [1, max_num_tokens] int64
+        self.block_table = torch.full((max_num_reqs, 1), padding_slot, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full((1, max_num_tokens), PAD_ROW, dtype=torch.int64, device=device)
+        self._token_ids = torch.arange(max_num_tokens, dtype=torch.int32, device=device)
+        self._dirty = False
+
+    # -- host side -------------------------------------------------------------------------
+    def assign(self, index: int, slot: int) -> None:
+        """Request index ``index`` now owns vattn slot ``slot``."""
+        if not 0 <= slot < self.padding_slot:
+            raise SlotError(f"slot must be in [0, {self.padding_slot}), got {slot}")
+        self.slot_of_index[index] = slot
+        self._dirty = True
+
+    def clear(self, index: int) -> None:
+        """Index ``index`` holds no slot any more (its rows read the padding slot)."""
+        self.slot_of_index[index] = self.padding_slot
+        self._dirty = True
+
+    def upload(self) -> None:
+        """Copy the index -> slot table to the device if it changed (stream-ordered, async-safe:
+        the copy reads a private pinned snapshot, never the live host array)."""
+        if not self._dirty:
+            return
+        snapshot = torch.from_numpy(self.slot_of_index.copy())
+        if self.device.type == "cuda":
+            snapshot = snapshot.pin_memory()
+        self._slot_dev.copy_(snapshot, non_blocking=True)
+        self._dirty = False
+
+    # -- device side -------------------------------------------------------------------------
+    def gather_block_table(self, idx_mapping: torch.Tensor, num_reqs_padded: int) -> torch.Tensor:
+        """``[num_reqs_padded, 1]`` int32: the slot of each batch row; padding rows -> padding slot.
+
+        ``idx_mapping``: ``[num_reqs]`` int32, batch row -> request index (vLLM's order).
+        """
+        n = idx_mapping.shape[0]
+        col = self.block_table[:, 0]
+        col[:n].copy_(self._slot_dev[idx_mapping.long()])
+        col[n:num_reqs_padded].fill_(self.padding_slot)
+        return self.block_table[:num_reqs_padded]
+
+    def compute_slot_mapping(self, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                             positions: torch.Tensor, num_tokens_padded: int) -> torch.Tensor:
+        """``[1, num_tokens_padded]`` int64 rows ``slot * rows_per_slot + position``; -1 elsewhere.
+
+        Parameters
+        ----------
+        idx_mapping : ``[num_reqs]`` int32, batch row -> request index.
+        query_start_loc : ``[>= num_reqs + 1]`` int32, non-decreasing token offsets of the rows.
+        positions : ``[>= num_tokens_padded]`` int64, position of every scheduled token.
+
+        No host synchronization: the token count is read on the device.
+        """
+        n = idx_mapping.shape[0]
+        tokens = self._token_ids[:num_tokens_padded]
+        ends = query_start_loc[1:n + 1]
+        row = torch.searchsorted(ends, tokens, right=True)           # batch row of each token
+        valid = row < n
+        slots = self._slot_dev[idx_mapping.long()][row.clamp_(max=n - 1)]
+        rows = slots.long() * self.rows_per_slot + positions[:num_tokens_padded]
+        out = self.slot_mapping[0]
+        out[:num_tokens_padded] = torch.where(valid, rows, PAD_ROW)
+        out[num_tokens_padded:].fill_(PAD_ROW)
+        return self.slot_mapping[:, :num_tokens_padded]
+
+    def dummy_block_table(self, num_reqs: int) -> torch.Tensor:
+        """``[num_reqs, 1]``: every row reads the padding slot (vLLM's dummy and capture runs)."""
+        self.block_table[:num_reqs].fill_(self.padding_slot)
+        return self.block_table[:num_reqs]
+
+    def dummy_slot_mapping(self, num_tokens: int) -> torch.Tensor:
+        """``[1, num_tokens]`` of -1 (whole buffer filled, like vLLM's dummy mapping)."""
+        self.slot_mapping.fill_(PAD_ROW)
+        return self.slot_mapping[:, :num_tokens]

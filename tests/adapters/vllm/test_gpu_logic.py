@@ -1,0 +1,167 @@
+"""Engine-free parts of the vLLM GPU path, on CPU tensors and the host VMM backend (no vLLM)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vattn.adapters.vllm import gpu_layout as gl
+from vattn.core.errors import ConfigError, UnsupportedError
+
+
+# -- block size = tokens per page-set ------------------------------------------------------------
+@pytest.mark.parametrize("heads, dim, group, expected", [(8, 128, 1, 512), (8, 128, 2, 256),
+                                                         (8, 128, 4, 128), (2, 64, 2, 2048),
+                                                         (4, 128, 4, 256)])
+def test_tokens_per_page(heads, dim, group, expected):
+    assert gl.tokens_per_page(num_kv_heads=heads, head_dim=dim, dtype=torch.bfloat16,
+                              group_size=group) == expected
+
+
+@pytest.mark.parametrize("heads, dim, group", [(8, 128, 8), (3, 96, 1), (5, 128, 1)])
+def test_tokens_per_page_refuses_partial_tiles_and_fractions(heads, dim, group):
+    with pytest.raises(ConfigError):
+        gl.tokens_per_page(num_kv_heads=heads, head_dim=dim, dtype=torch.bfloat16, group_size=group)
+
+
+def test_group_size_env(monkeypatch):
+    monkeypatch.delenv("VATTN_GROUP_SIZE", raising=False)
+    assert [gl.group_size_for(n) for n in (32, 2, 6, 7)] == [4, 2, 2, 1]
+    monkeypatch.setenv("VATTN_GROUP_SIZE", "2")
+    assert gl.group_size_for(32) == 2
+    for bad in ("3", "x", "0"):
+        monkeypatch.setenv("VATTN_GROUP_SIZE", bad)
+        with pytest.raises(ConfigError):
+            gl.group_size_for(32)
+
+
+def test_cache_config_budget_is_num_blocks_page_sets():
+    cfg = gl.cache_config(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                          num_blocks=37, max_num_reqs=5, max_model_len=1000, device="cpu", group_size=4)
+    assert cfg.page_budget == 37 * 8 * gl.PAGE_BYTES       # 8 ranges of 2 MiB per block
+    assert cfg.max_context == 1024 and cfg.max_slots == 5 and cfg.map_ahead_tokens == 0
+
+
+def _vllm_config(**over):
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(enable_prefix_caching=False, cache_dtype="auto"),
+        model_config=SimpleNamespace(enable_sleep_mode=False, enable_cumem_allocator=False,
+                                     use_mla=False, dtype=torch.bfloat16),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
+        attention_config=SimpleNamespace(backend=SimpleNamespace(name="CUSTOM")),
+        speculative_config=None, kv_transfer_config=None)
+    for path, value in over.items():
+        obj, name = cfg, path.split(".")
+        for part in name[:-1]:
+            obj = getattr(obj, part)
+        setattr(obj, name[-1], value)
+    return cfg
+
+
+@pytest.mark.parametrize("path, value, error", [
+    ("cache_config.enable_prefix_caching", True, ConfigError),
+    ("model_config.enable_sleep_mode", True, ConfigError),
+    ("model_config.enable_cumem_allocator", True, ConfigError),
+    ("attention_config.backend", SimpleNamespace(name="FLASH_ATTN"), ConfigError),
+    ("attention_config.backend", None, ConfigError),
+    ("speculative_config", object(), UnsupportedError),
+    ("kv_transfer_config", object(), UnsupportedError),
+    ("parallel_config.decode_context_parallel_size", 2, UnsupportedError),
+    ("cache_config.cache_dtype", "fp8", UnsupportedError),
+])
+def test_check_engine_config_refuses(path, value, error):
+    gl.check_engine_config(_vllm_config())
+    with pytest.raises(error):
+        gl.check_engine_config(_vllm_config(**{path: value}))
+
+
+def test_prefix_caching_error_says_how_to_turn_it_off():
+    with pytest.raises(ConfigError, match="enable_prefix_caching=False"):
+        gl.check_engine_config(_vllm_config(**{"cache_config.enable_prefix_caching": True}))
+
+
+class FullAttentionSpec(SimpleNamespace):   # the name is what the check looks at
+    pass
+
+
+def _kv_config(block_size=128, groups=1, layers=32, page=None):
+    spec = FullAttentionSpec(block_size=block_size, sliding_window=None, attention_chunk_size=None,
+                             page_size_bytes=page or 2 * block_size * 8 * 128 * 2)
+    group = SimpleNamespace(kv_cache_spec=spec, layer_names=[f"model.layers.{i}.attn" for i in range(layers)])
+    return SimpleNamespace(kv_cache_groups=[group] * groups, num_blocks=10)
+
+
+def test_check_kv_cache_config():
+    page_set = 8 * gl.PAGE_BYTES
+    gl.check_kv_cache_config(_kv_config(), block_size=128, page_set_bytes=page_set)
+    with pytest.raises(ConfigError, match="block_size=128"):
+        gl.check_kv_cache_config(_kv_config(block_size=16), block_size=128, page_set_bytes=page_set)
+    with pytest.raises(UnsupportedError):
+        gl.check_kv_cache_config(_kv_config(groups=2), block_size=128, page_set_bytes=page_set)
+    with pytest.raises(ConfigError):
+        gl.check_kv_cache_config(_kv_config(page=12345), block_size=128, page_set_bytes=page_set)
+    other = _kv_config()
+    other.kv_cache_groups[0].kv_cache_spec = SimpleNamespace(block_size=128)
+    with pytest.raises(UnsupportedError):
+        gl.check_kv_cache_config(other, block_size=128, page_set_bytes=page_set)
+
+
+# -- the GPU conformance runner's engine arguments (pure functions) ---------------------------------
+def _spec(mode, **over):
+    return dict(mode=mode, device="cuda", model_dir="/m", dtype="bfloat16", max_model_len=1024,
+                max_num_seqs=256, **over)
+
+
+def test_engine_kwargs_of_the_three_gpu_modes():
+    from vattn.adapters.vllm.worker import engine_kwargs
+    stock, ceiling, vattn = (engine_kwargs(_spec(m)) for m in ("stock", "ceiling", "vattn"))
+    assert stock["attention_backend"] == "FLASH_ATTN" and stock["block_size"] == 16
+    assert ceiling["attention_backend"] == "FLASH_ATTN" and ceiling["block_size"] == 1024
+    assert ceiling["num_gpu_blocks_override"] == 257
+    assert vattn["attention_backend"] == "CUSTOM" and "block_size" not in vattn
+    assert all(kw["enable_prefix_caching"] is False and kw["enforce_eager"] is False
+               for kw in (stock, ceiling, vattn))
+    forced = engine_kwargs(_spec("vattn", vattn_block_size=256, compilation_config={"cudagraph_mode": "PIECEWISE"}))
+    assert forced["block_size"] == 256 and forced["compilation_config"]["cudagraph_mode"] == "PIECEWISE"
+
+
+def test_runner_modes_subset():
+    from vattn.adapters.vllm.conformance import VllmRunner
+    assert VllmRunner(device="cuda", modes=("stock", "vattn")).modes == ("stock", "vattn")
+    with pytest.raises(ConfigError):
+        VllmRunner(device="cpu", modes=("ceiling",))
+
+
+def test_waste_per_request_columns():
+    from vattn.adapters.vllm.gpu_run import WORKLOADS, waste_per_request
+    assert set(WORKLOADS) == {"decode-heavy", "prefill-heavy", "long-context"}
+    assert WORKLOADS["decode-heavy"] == (256, 512, 512, 256)
+    assert waste_per_request("stock", max_model_len=1024, shortest=513, metrics=None) == 15 * 128 * 1024
+    assert waste_per_request("ceiling", max_model_len=1024, shortest=513, metrics=None) == 511 * 128 * 1024
+    layout = {"layout": {"worst_waste_bytes": 16 << 20}}
+    assert waste_per_request("vattn", max_model_len=1024, shortest=513, metrics=layout) == 16 << 20
+
+
+def test_throughput_report_has_the_three_columns(monkeypatch, tmp_path):
+    from types import SimpleNamespace as NS
+
+    from vattn.adapters.vllm import gpu_run
+    from vattn.conformance.protocol import RunResult
+    metrics = {"layout": {"worst_waste_bytes": 16 << 20}, "apply_step_us": {"mean_us": 50.0, "count": 10},
+               "ensure_us": {"mean_us": 20.0, "count": 10}, "pages_mapped_on_demand": 64}
+
+    def fake_run_all(runner, model, prompts, new, *, logprobs):
+        assert runner.modes == ("stock", "ceiling", "vattn") and len(prompts) == 8
+        return {m: RunResult([[1] * new] * len(prompts), None, s, 8 * 65536, 8 * new,
+                             {"init_s": 50.0, "vattn_metrics": metrics if m == "vattn" else None})
+                for m, s in (("stock", 27.5), ("ceiling", 27.0), ("vattn", 27.2))}, {}
+    monkeypatch.setattr(gpu_run, "_run_all", fake_run_all)
+    monkeypatch.setattr(gpu_run, "_config_only_model", lambda path: str(tmp_path))
+    monkeypatch.setattr("vattn.conformance.models.random_prompts", lambda n, l, **kw: [[1] * 4] * n)
+    report = gpu_run.stage_throughput(NS(workload="long-context", models=str(tmp_path), out=str(tmp_path)))
+    rows = report["rows"]
+    assert report["ok"] and rows["vattn"]["ratio"] == round(27.5 / 27.2, 4)
+    assert rows["vattn"]["worst_waste_MiB_per_request"] == 16.0
+    assert rows["ceiling"]["worst_waste_MiB_per_request"] == 255 * 0.125     # (65792 - 65537) tokens
+    assert rows["stock"]["worst_waste_MiB_per_request"] == 15 * 0.125
+    assert rows["vattn"]["vmm_critical_path"]["apply_total_ms"] == 0.5

@@ -1,0 +1,132 @@
+"""Slot tables and the GPU runtime on CPU tensors / the host VMM backend (no vLLM needed)."""
+
+import numpy as np
+import pytest
+import torch
+
+from vattn.adapters.vllm import gpu_layout as gl
+from vattn.adapters.vllm.gpu_runtime import GpuRuntime
+from vattn.adapters.vllm.slot_tables import PAD_ROW, SlotTables
+from vattn.core import ops
+from vattn.core.errors import SlotError, VattnError
+
+
+def _tables(rows=97, reqs=9, tokens=64):
+    return SlotTables(max_num_reqs=reqs, max_num_tokens=tokens, rows_per_slot=rows, padding_slot=11,
+                      device="cpu")
+
+
+def test_block_table_and_slot_mapping_match_reference():
+    t = _tables()
+    for index, slot in {0: 3, 2: 0, 4: 7, 6: 10}.items():
+        t.assign(index, slot)
+    t.upload()
+    idx = torch.tensor([4, 0, 6, 2, 1], dtype=torch.int32)          # batch row -> request index
+    lens = [1, 1, 5, 3, 2]                                          # decode, decode, chunks
+    starts = [40, 12, 0, 90, 7]                                     # first position of each row
+    qsl = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+    qsl_padded = torch.cat([qsl, qsl[-1:].repeat(3)])               # FULL-graph padding rows
+    pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)] + [torch.zeros(9, dtype=torch.int64)])
+    bt = t.gather_block_table(idx, num_reqs_padded=8)
+    assert bt.shape == (8, 1) and bt.dtype == torch.int32
+    expect_slots = [7, 3, 10, 0, 11]                                 # index 1 holds none: padding slot
+    assert bt[:, 0].tolist() == expect_slots + [11, 11, 11]
+    sm = t.compute_slot_mapping(idx, qsl_padded, pos, num_tokens_padded=16)
+    assert sm.shape == (1, 16) and sm.dtype == torch.int64
+    ref = [s * 97 + p for s, st, n in zip(expect_slots, starts, lens) for p in range(st, st + n)]
+    assert sm[0].tolist() == ref + [PAD_ROW] * (16 - len(ref))
+    assert (t.slot_mapping[0, 16:] == PAD_ROW).all()
+    assert bt.data_ptr() == t.block_table.data_ptr() and sm.data_ptr() == t.slot_mapping.data_ptr()
+
+
+def test_stale_slot_mapping_is_cleared_and_dummies_pad():
+    t = _tables()
+    t.assign(0, 1)
+    t.upload()
+    idx = torch.tensor([0], dtype=torch.int32)
+    t.compute_slot_mapping(idx, torch.tensor([0, 30], dtype=torch.int32), torch.arange(64), 30)
+    sm = t.compute_slot_mapping(idx, torch.tensor([0, 1], dtype=torch.int32), torch.arange(64), 2)
+    assert sm[0].tolist() == [97, PAD_ROW] and (t.slot_mapping[0, 2:] == PAD_ROW).all()
+    assert (t.dummy_block_table(5) == 11).all()
+    assert (t.dummy_slot_mapping(9) == PAD_ROW).all()
+
+
+def test_upload_only_when_changed_and_clear():
+    t = _tables()
+    t.assign(3, 2)
+    t.upload()
+    t.slot_of_index[3] = 5          # a host change without assign() is not uploaded
+    t.upload()
+    assert t._slot_dev[3].item() == 2
+    t.clear(3)
+    t.upload()
+    assert t._slot_dev[3].item() == 11
+    with pytest.raises(SlotError):
+        t.assign(0, 11)
+
+
+def _runtime(num_blocks=9, reqs=3, max_len=4000):
+    cfg = gl.cache_config(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                          num_blocks=num_blocks, max_num_reqs=reqs, max_model_len=max_len, device="cpu",
+                          group_size=2)
+    block = gl.tokens_per_page(num_kv_heads=2, head_dim=64, dtype=torch.float32, group_size=2)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    return GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=64), block
+
+
+def test_runtime_maps_one_page_set_per_block_and_releases():
+    rt, block = _runtime()
+    try:
+        assert block == 1024 and rt.padding_tokens == block
+        rt.on_blocks(2, 1, new_request=True)
+        rt.on_blocks(0, 3, new_request=True)
+        rt.apply()
+        s2, s0 = rt.slot(2), rt.slot(0)
+        assert rt.cache.mapped_tokens(s2) == block and rt.cache.mapped_tokens(s0) == 3 * block
+        assert rt.tables._slot_dev[[2, 0]].tolist() == [s2, s0]
+        rt.on_blocks(2, 2, new_request=False)
+        rt.apply()
+        assert rt.cache.mapped_tokens(s2) == 2 * block
+        rt.release(0)
+        assert rt.slot(0) is None and rt.tables.slot_of_index[0] == rt.cache.padding_slot
+        rt.on_blocks(1, 3, new_request=True)           # the warm slot that fits best comes back
+        rt.apply()
+        assert rt.slot(1) == s0 and rt.cache.metrics()["warm_hits"] >= 1
+        with pytest.raises(VattnError):
+            rt.on_blocks(0, 1, new_request=False)     # blocks for an index without a slot
+    finally:
+        rt.close()
+
+
+def test_runtime_budget_is_exactly_vllm_blocks():
+    rt, _ = _runtime(num_blocks=5)                     # 1 padding + 4 blocks for requests
+    try:
+        rt.on_blocks(0, 2, new_request=True)
+        rt.on_blocks(1, 2, new_request=True)
+        rt.apply()                                     # all 4 request blocks in use: fits exactly
+        rt.release(1)
+        rt.on_blocks(2, 2, new_request=True)           # reuses or reclaims the released pages
+        rt.apply()
+        rt.on_blocks(0, 3, new_request=False)          # one block more than vLLM could hand out
+        with pytest.raises(VattnError, match="could not map"):
+            rt.apply()
+    finally:
+        rt.close()
+
+
+def test_kv_view_is_k_and_v_and_store_lands_at_slot_rows():
+    rt, block = _runtime()
+    try:
+        rt.on_blocks(1, 1, new_request=True)
+        rt.apply()
+        view = rt.kv_view(3)
+        assert view.shape == (2, 4, rt.rows_per_slot, 2, 64)
+        assert view[0].data_ptr() == rt.cache.k(3).data_ptr() and view[1].stride() == rt.cache.v(3).stride()
+        rows = torch.tensor([rt.slot(1) * rt.rows_per_slot + p for p in (0, 5, 1023)])
+        k, v = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+        ops.store(rt.cache.k_rows(3), rt.cache.v_rows(3), k, v, rows)
+        torch.testing.assert_close(view[0, rt.slot(1), [0, 5, 1023]], k)
+        torch.testing.assert_close(view[1, rt.slot(1), [0, 5, 1023]], v)
+        assert rt.metrics()["layout"]["worst_waste_bytes"] > 0
+    finally:
+        rt.close()
