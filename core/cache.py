@@ -318,6 +318,17 @@ class VirtualKVCache:
                    if self._active[s] and s not in protect and s not in self._inflight]
         return [(s, 0) for s in idle] + [(s, k) for s, k in surplus if self._pages.held(s) > k * len(self._pages.bases)]
 
+    def _reclaimable(self) -> int:
+        """Pages :meth:`reclaim` could free now: what :meth:`_victims` lists, summed (vectorised)."""
+        n, lay = self.config.max_slots, self.layout
+        held = self._pages.held_n[:n]
+        free_to_take = ~np.isin(np.arange(n), list(self._inflight)) if self._inflight else True
+        active = self._active[:n]
+        keep = -(-self._length[:n] * lay.token_bytes // lay.page_bytes) * len(self._pages.bases)
+        idle = ~active & free_to_take
+        surplus = active & free_to_take & (held > keep)
+        return int(held[idle].sum() + (held - keep)[surplus].sum())
+
     # -- queries ------------------------------------------------------------------------------------
     def mapped_tokens(self, slot: int) -> int:
         """Tokens of ``slot`` currently backed by accessible pages."""
@@ -331,10 +342,9 @@ class VirtualKVCache:
 
     def capacity(self) -> Capacity:
         with self._cond:
-            reclaimable = sum(self._pages.held(s) - keep * len(self._pages.bases)
-                              for s, keep in self._victims(set()))
+            reclaimable = self._reclaimable()
             sets = (self._pool.num_free + reclaimable) // self.layout.num_ranges
-            idle = sum(1 for s in range(self.config.max_slots) if not self._active[s])
+            idle = int(self.config.max_slots - self._active[:self.config.max_slots].sum())
             tokens = sets * self.layout.page_bytes // self.layout.token_bytes
             return Capacity(self._pool.num_free, reclaimable, sets, tokens, idle)
 
@@ -372,6 +382,9 @@ class VirtualKVCache:
                             raise VattnError(f"page {pid} at slot {slot} range {rng} index {i} is "
                                              f"{'free' if pid not in seen else f'also at {seen[pid]}'}")
                         seen[pid] = (slot, rng, i)
+                if self._pages.held_n[slot] != sum(map(len, ranges)):
+                    raise VattnError(f"slot {slot} is counted as holding {self._pages.held_n[slot]} "
+                                     f"pages but holds {sum(map(len, ranges))}")
             if len(seen) + self._pool.num_free != self._pool.num_pages:
                 raise VattnError(f"{len(seen)} mapped + {self._pool.num_free} free pages != "
                                  f"{self._pool.num_pages} in the pool")

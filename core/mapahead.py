@@ -130,7 +130,7 @@ class MapAhead:
             self.jobs.pop(plan.slot, None)
         for rng, pid in enumerate(plan.pids):
             if rng < plan.done:
-                pages.mapped[plan.slot][rng].append(pid)
+                pages.add_page(plan.slot, rng, pid)
                 if plan.accessible:
                     pages.access[plan.slot][rng] += 1
                     cache._pool.tenant[pid] = plan.tenant

@@ -32,6 +32,7 @@ class SlotPages:
         self.mapped: list[list[list[int]]] = [[[] for _ in bases] for _ in range(n)]
         self.access: list[list[int]] = [[0] * len(bases) for _ in range(n)]
         self.cap_tokens = np.zeros(n, dtype=np.int64)   # tokens backed by usable page-sets
+        self.held_n = np.zeros(n, dtype=np.int64)       # pool pages per slot (== held(slot))
 
     def refresh(self, slot: int) -> None:
         """Recompute ``cap_tokens[slot]`` after its pages changed."""
@@ -43,7 +44,12 @@ class SlotPages:
 
     def held(self, slot: int) -> int:
         """Pool pages ``slot`` holds (mapped, accessible or not)."""
-        return sum(len(pages) for pages in self.mapped[slot])
+        return int(self.held_n[slot])
+
+    def add_page(self, slot: int, rng: int, pid: int) -> None:
+        """Record that pool page ``pid`` is now mapped as the next page of ``slot`` in ``rng``."""
+        self.mapped[slot][rng].append(pid)
+        self.held_n[slot] += 1
 
     def missing(self, slot: int, num_sets: int) -> int:
         """Pool pages still to map so ``slot`` has ``num_sets`` page-sets in every range."""
@@ -79,7 +85,7 @@ class SlotPages:
                 self.pool.give([pid])
                 self.counters.driver_faults += 1
                 raise
-            pages.append(pid)
+            self.add_page(slot, rng, pid)
             self.counters.map_page_us.observe((time.perf_counter() - start) * 1e6)
             if ahead:
                 self.counters.pages_mapped_ahead += 1
@@ -110,6 +116,7 @@ class SlotPages:
                     self.counters.driver_faults += 1
                     raise
                 self.pool.give([pages.pop()])
+                self.held_n[slot] -= 1
                 self.access[slot][rng] = min(self.access[slot][rng], len(pages))
                 self.refresh(slot)
                 self.counters.unmap_page_us.observe((time.perf_counter() - start) * 1e6)

@@ -81,6 +81,10 @@ class CacheMachine(RuleBasedStateMachine):
             assert bool((k == stamp).all()) and bool((v == stamp).all()), f"slot {slot} data changed"
         m = self.cache.metrics()
         assert m["pages_free"] + m["pages_mapped"] == m["pages_total"]
+        # the vectorised capacity() agrees with the victim list reclaim() walks
+        c = self.cache
+        want = sum(c._pages.held(s) - keep * c.layout.num_ranges for s, keep in c._victims(set()))
+        assert c.capacity().reclaimable_pages == want
 
 
 def _run(examples: int, steps: int) -> int:
