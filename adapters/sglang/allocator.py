@@ -27,38 +27,67 @@ from .pool import PAD_SLOT, VattnMHATokenToKVPool
 class VattnTokenAllocator(BaseTokenToKVPoolAllocator):
     """SGLang ``BaseTokenToKVPoolAllocator`` over a :class:`VattnMHATokenToKVPool`.
 
+    The constructor takes exactly what SGLang 0.5.17's ``KVCacheConfigurator`` passes to an
+    out-of-tree platform's paged allocator class; :meth:`for_pool` is the short form.
+
     Parameters
     ----------
-    pool : VattnMHATokenToKVPool
-        The KV pool (its ``page_size`` must be > 1 so SGLang uses the paged interface).
+    size : int
+        SGLang's token budget (``max_total_num_tokens``); ``available_size()`` never exceeds it.
+    page_size : int
+        SGLang's page size; must equal the pool's and be > 1 (the paged interface carries the
+        request lengths vattn maps by).
+    dtype, device
+        Must match the pool's.
+    kvcache : VattnMHATokenToKVPool
+        The KV pool.
+    need_sort : bool
+        Passed to SGLang's base class (disaggregation sorts free pages).
     tenant_of : callable, optional
         ``() -> tenant`` of a request being admitted, for scrubbing on slot reuse (SGLang's
         allocator calls carry no request object; default: one tenant).
     """
 
-    def __init__(self, pool: VattnMHATokenToKVPool, *, tenant_of=None):
+    def __init__(self, size, page_size, dtype, device, kvcache, need_sort=False, *,
+                 tenant_of=None):
+        pool = kvcache
         if not isinstance(pool, VattnMHATokenToKVPool):
             raise ConfigError(f"VattnTokenAllocator needs a VattnMHATokenToKVPool, got "
-                              f"{type(pool).__name__}")
-        if pool.page_size < 2:
+                              f"{type(pool).__name__} (is the vattn platform active? "
+                              "VATTN_SGLANG=1)")
+        if page_size < 2 or page_size != pool.page_size:
             raise ConfigError("VattnTokenAllocator needs SGLang page_size > 1 (its paged "
-                              f"interface carries request lengths), got {pool.page_size}")
-        super().__init__(pool.size, pool.page_size, pool.dtype, pool.device, pool,
-                         need_sort=False)
+                              "interface carries request lengths) equal to the pool's "
+                              f"{pool.page_size}, got {page_size}")
+        if dtype != pool.dtype or torch.device(device) != torch.device(pool.device):
+            raise ConfigError(f"VattnTokenAllocator: dtype/device {dtype}/{device} differ from "
+                              f"the pool's {pool.dtype}/{pool.device}")
+        if size < 1:
+            raise ConfigError(f"VattnTokenAllocator: size must be >= 1, got {size}")
+        super().__init__(int(size), page_size, pool.dtype, pool.device, pool,
+                         need_sort=need_sort)
         self.cache = pool.vattn_cache
         self.rows_per_slot = pool.rows_per_slot
         self._tenant_of = tenant_of
         self._live: set[int] = set()
         self.clear()
 
+    @classmethod
+    def for_pool(cls, pool: VattnMHATokenToKVPool, *, tenant_of=None) -> "VattnTokenAllocator":
+        """An allocator over ``pool`` with the pool's token budget."""
+        return cls(pool.token_budget, pool.page_size, pool.dtype, pool.device, pool,
+                   tenant_of=tenant_of)
+
     # -- queries -------------------------------------------------------------------------------
     def available_size(self) -> int:
         """Tokens the free + reclaimable physical pages can still hold (page-aligned).
 
-        A page-set serves one slot, so it counts at most ``max_context`` tokens.
+        A page-set serves one slot, so it counts at most ``max_context`` tokens; capped by
+        ``size`` (SGLang's budget), so an idle allocator reports exactly ``size``.
         """
         cap = self.cache.capacity()
-        free = min(int(cap.free_tokens), cap.free_page_sets * self.cache.config.max_context)
+        free = min(int(cap.free_tokens), cap.free_page_sets * self.cache.config.max_context,
+                   self.size)
         return free - free % self.page_size
 
     def live_slots(self) -> frozenset:

@@ -1,40 +1,114 @@
-"""``vattn conformance --engine sglang``: the SGLang runner of the conformance harness.
+"""``vattn conformance --engine sglang``: SGLang stock (``fa3``) vs vattn through ``sglang.Engine``.
 
-Not runnable yet, for two precise reasons (raised as :class:`UnsupportedError`):
+Each run is one engine in its own process (:mod:`.engine_run`): SGLang resolves its platform at
+import, so the vattn run is started with ``VATTN_SGLANG=1`` (the vattn platform builds vattn's KV
+pool and allocator, ``--attention-backend vattn`` reads them) and the stock run without it.
 
-* CPU: SGLang 0.5.17 runs an engine on the CPU only with ``SGLANG_USE_CPU_ENGINE=1``, which makes
-  its modules import ``sgl_kernel``'s CPU ops at import time (e.g. ``mem_cache.allocation``
-  imports ``assign_req_to_token_pool_cpu``); that CPU build of ``sgl_kernel`` is not on PyPI
-  (the ``sglang-kernel`` wheel there is the CUDA build). Without the flag the engine takes the
-  CUDA path. The pool, allocator and backend are checked on CPU through SGLang's own classes
-  instead (``tests/adapters/sglang``: bit-identical to ``torch_native``).
-* GPU: installing the vattn pool/allocator inside SGLang's ``ModelRunner`` needs its
-  out-of-tree platform hooks (``get_mha_kv_pool_cls`` / ``get_paged_allocator_cls``), not
-  written yet; ``tools/gpu/sglang.sh`` stages SGLang 0.5.17 for that run.
+GPU only. On the CPU it raises :class:`UnsupportedError` (:data:`WHY_CPU`): SGLang 0.5.17 runs
+an engine on the CPU only with ``SGLANG_USE_CPU_ENGINE=1``, which makes its modules import
+``sgl_kernel``'s CPU ops at import time (e.g. ``mem_cache.allocation`` imports
+``assign_req_to_token_pool_cpu``); that CPU build is not on PyPI (the ``sglang-kernel`` wheel
+there is the CUDA build). The pool, allocator, platform and backend are checked on the CPU
+through SGLang's own classes instead (``tests/adapters/sglang``).
 """
 
 from __future__ import annotations
 
-from vattn.core.errors import UnsupportedError
+import json
+import os
+import subprocess
+import sys
+import tempfile
 
+from vattn.conformance.protocol import RunResult
+from vattn.core.errors import UnsupportedError, VattnError
+
+from .engine_run import MODES
 from .version import check_version
 
-WHY = ("the SGLang end-to-end runner cannot run yet: on CPU, SGLang 0.5.17's engine needs "
-       "sgl_kernel's CPU build (SGLANG_USE_CPU_ENGINE=1), which is not on PyPI; on CUDA the "
-       "vattn pool/allocator are not yet installed into ModelRunner (out-of-tree platform "
-       "hooks). Module-level identity vs torch_native: pytest tests/adapters/sglang")
+WHY_CPU = ("the SGLang end-to-end runner needs a CUDA GPU: SGLang 0.5.17's CPU engine "
+           "(SGLANG_USE_CPU_ENGINE=1) imports sgl_kernel's CPU build, which is not on PyPI. "
+           "Module-level identity vs torch_native on the CPU: pytest tests/adapters/sglang")
 
 
 class SglangRunner:
-    """Would run SGLang stock (``torch_native`` / ``fa3``) vs ``--attention-backend vattn``."""
+    """SGLang ``fa3`` (stock) vs ``--attention-backend vattn``, one engine process per run.
+
+    Parameters
+    ----------
+    modes : tuple of str
+        Subset of ``("stock", "stock-eager", "vattn")``; the first is the baseline.
+    engine_args : dict, optional
+        Extra ``sglang.Engine`` keyword arguments for every mode (e.g. ``load_format="dummy"``,
+        ``max_running_requests``, ``context_length``, ``mem_fraction_static``).
+    timeout_s : float
+        Wall limit of one run (engine start included).
+    log_dir : str, optional
+        Where each run's stdout/stderr go (default: a temporary folder).
+    """
 
     name = "sglang"
-    modes = ("stock", "vattn")
+
+    def __init__(self, *, modes=("stock", "vattn"), engine_args=None, timeout_s: float = 420,
+                 log_dir: str | None = None):
+        bad = [m for m in modes if m not in MODES]
+        if bad or not modes:
+            raise UnsupportedError(f"sglang runner modes must be among {MODES}, got {modes!r}")
+        self.modes = tuple(modes)
+        self.engine_args = dict(engine_args or {})
+        self.timeout_s = float(timeout_s)
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="vattn-sglang-")
 
     def run(self, mode, model_dir, prompts, max_new_tokens, *, logprobs=5, device="cpu",
-            dtype="float32", arrival_times=None):
-        """Raise :class:`UnsupportedError` (see the module docstring) after the version gate."""
+            dtype="bfloat16", arrival_times=None) -> RunResult:
+        """Generate ``prompts`` greedily in a fresh engine process of ``mode``.
+
+        Raises
+        ------
+        UnsupportedError
+            Not on CUDA (see :data:`WHY_CPU`), an unknown mode, or ``arrival_times`` given.
+        VattnError
+            The engine process failed or timed out (its log path is in the message).
+        """
         check_version()
         if mode not in self.modes:
             raise UnsupportedError(f"sglang runner mode must be one of {self.modes}, got {mode!r}")
-        raise UnsupportedError(WHY)
+        import torch
+        if not str(device).startswith("cuda") or not torch.cuda.is_available():
+            raise UnsupportedError(WHY_CPU)
+        if arrival_times is not None:
+            raise UnsupportedError("the sglang runner submits all prompts at once (no arrivals)")
+        spec = dict(mode=mode, model_path=model_dir, prompts=prompts, logprobs=logprobs,
+                    max_new_tokens=max_new_tokens,
+                    engine_args=dict(self.engine_args, dtype=dtype))
+        return self._launch(mode, spec)
+
+    def _launch(self, mode: str, spec: dict) -> RunResult:
+        os.makedirs(self.log_dir, exist_ok=True)
+        base = os.path.join(self.log_dir, f"{mode}-{os.getpid()}-{id(spec)}")
+        with open(base + ".spec.json", "w") as f:
+            json.dump(spec, f)
+        env = dict(os.environ, SGLANG_USE_SGL_FA3_KERNEL="1")
+        env.pop("VATTN_SGLANG", None)
+        if mode == "vattn":
+            env["VATTN_SGLANG"] = "1"
+        cmd = [sys.executable, "-m", "vattn.adapters.sglang.engine_run", base + ".spec.json",
+               base + ".out.json"]
+        with open(base + ".log", "w") as log:
+            try:
+                proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=self.timeout_s)
+            except subprocess.TimeoutExpired as exc:
+                raise VattnError(f"sglang {mode} run timed out after {self.timeout_s:.0f} s "
+                                 f"(log: {base}.log)") from exc
+        if proc.returncode != 0:
+            with open(base + ".log") as f:
+                tail = f.read()[-3000:]
+            raise VattnError(f"sglang {mode} run failed (rc={proc.returncode}, log: {base}.log):\n"
+                             f"{tail}")
+        with open(base + ".out.json") as f:
+            out = json.load(f)
+        if out["logprobs"] is not None:
+            out["logprobs"] = [[{int(t): lp for t, lp in pos.items()} for pos in req]
+                               for req in out["logprobs"]]
+        return RunResult(**out)

@@ -4,6 +4,9 @@ pyproject::
 
     [project.entry-points."sglang.srt.plugins"]
     vattn = "vattn.adapters.sglang.plugin:register"
+
+The backend needs vattn's KV pool inside SGLang's ``ModelRunner``, which the vattn *platform*
+(:mod:`.platform`, group ``sglang.srt.platforms``, opt-in with ``VATTN_SGLANG=1``) installs.
 """
 
 from __future__ import annotations
@@ -27,10 +30,24 @@ def register() -> None:
 
 
 def create_vattn_backend(runner):
-    """Backend factory SGLang calls with its ``ModelRunner``."""
-    check_server_args(runner.server_args)
-    from .backend import VattnAttnBackend
+    """Backend factory SGLang calls with its ``ModelRunner``.
 
+    Raises
+    ------
+    ConfigError
+        Unsupported server args, SGLang's own KV pool (``VATTN_SGLANG=1`` not set), or a vattn
+        cache too small for SGLang's ``ReqToTokenPool``.
+    """
+    check_server_args(runner.server_args)
+    pool = runner.token_to_kv_pool
+    if not hasattr(pool, "vattn_cache"):
+        raise ConfigError(f"--attention-backend {BACKEND_NAME} needs vattn's KV pool, but SGLang "
+                          f"built {type(pool).__name__}: set VATTN_SGLANG=1 (the vattn platform) "
+                          "before SGLang starts")
+    from .backend import VattnAttnBackend
+    from .sizing import check_fit
+
+    check_fit(pool, runner.req_to_token_pool)
     return VattnAttnBackend(runner)
 
 

@@ -5,6 +5,9 @@ of the request held in vattn slot ``s`` has index ``s * C + t`` with ``C = layou
 so the flattened rows view ``cache.k_rows(layer)`` *is* SGLang's ``k_buffer[layer]`` and the
 stock ``set_kv_buffer`` / store kernels keep working unchanged. Slot 0 is held for the pool's
 lifetime: its first row absorbs SGLang's padded/dummy writes to index 0.
+
+Inside SGLang the vattn platform (:mod:`.platform`) hands this class to ``KVCacheConfigurator``,
+which constructs it with its own arguments; direct use: :meth:`VattnMHATokenToKVPool.from_cache`.
 """
 
 from __future__ import annotations
@@ -33,32 +36,75 @@ def make_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torc
 class VattnMHATokenToKVPool(MHATokenToKVPool):
     """``MHATokenToKVPool`` over a :class:`VirtualKVCache` (no KV tensors allocated here).
 
+    The constructor takes exactly what SGLang 0.5.17's ``KVCacheConfigurator`` passes to an
+    out-of-tree platform's MHA pool class (``_build_oot_mha_kv_pool``); without ``cache`` it builds
+    the cache from them (:func:`.sizing.cache_config`, bounds from SGLang's published server args).
+
     Parameters
     ----------
-    cache : VirtualKVCache
-        Supplies ``k_rows(layer)`` / ``v_rows(layer)``: ``[max_slots * C, H, D]`` strided views.
+    size : int or None
+        SGLang's token budget (``max_total_num_tokens``); ``None``: what the cache physically holds.
     page_size : int
         SGLang's (logical) page size; must divide ``C``, so pages never straddle two slots.
-    enable_memory_saver, start_layer, end_layer, **kwargs
-        Passed to ``MHATokenToKVPool``; head count/dim, dtype, layers and device come from
-        ``cache.config``.
+    dtype : torch.dtype
+        KV dtype; ``head_num`` / ``head_dim`` / ``layer_num`` are the KV heads, head size and
+        layers of this rank; ``device`` ``"cuda[:N]"`` (VMM) or ``"cpu"`` (host backend).
+    enable_memory_saver : bool
+        Must be False (the pages are not torch allocations).
+    start_layer, end_layer : int, optional
+        Must cover layers ``0 .. layer_num`` (no pipeline parallelism).
+    cache : VirtualKVCache, optional
+        Use this cache (its shape must match the arguments); see :meth:`from_cache`.
     """
 
-    def __init__(self, cache: VirtualKVCache, *, page_size: int = 1,
-                 enable_memory_saver: bool = False, **kwargs):
+    def __init__(self, size, *, page_size, dtype, head_num, head_dim, layer_num, device,
+                 enable_memory_saver=False, start_layer=None, end_layer=None, cache=None,
+                 **unsupported):
+        if unsupported:
+            raise UnsupportedError(f"vattn pool: unsupported SGLang pool arguments "
+                                   f"{sorted(unsupported)} (hybrid / SWA / quantized pools are "
+                                   "not supported)")
+        if enable_memory_saver:
+            raise UnsupportedError("vattn pool does not support --enable-memory-saver")
+        if start_layer not in (None, 0) or end_layer not in (None, layer_num):
+            raise UnsupportedError(f"vattn pool needs all {layer_num} layers on this rank "
+                                   f"(no pipeline parallelism), got {start_layer}..{end_layer}")
+        if cache is None:
+            from .sizing import cache_config, sglang_bounds
+            context, reqs = sglang_bounds()
+            cache = VirtualKVCache(cache_config(
+                num_tokens=size, dtype=dtype, head_num=head_num, head_dim=head_dim,
+                layer_num=layer_num, device=str(device), max_context=context, max_requests=reqs))
         cfg = cache.config
+        got = (layer_num, head_num, head_dim, dtype)
+        if got != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype):
+            raise ConfigError(f"vattn pool: (layers, kv heads, head dim, dtype) {got} do not match "
+                              f"the cache's {(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)}")
         if page_size < 1 or cache.layout.rows_per_slot % page_size:
             raise ConfigError(f"vattn pool: page_size must divide rows_per_slot="
                               f"{cache.layout.rows_per_slot}, got {page_size}")
         self.vattn_cache = cache
         self.rows_per_slot = cache.layout.rows_per_slot
         self._hold_pad_slot(cache)
-        size = cfg.max_slots * self.rows_per_slot - page_size
-        super().__init__(size=size, page_size=page_size, dtype=cfg.dtype,
-                         head_num=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                         layer_num=cfg.num_layers, device=str(cfg.torch_device),
-                         enable_memory_saver=enable_memory_saver, enable_alt_stream=False,
-                         **kwargs)
+        cap = cache.capacity()
+        #: requests the cache can hold at once: its slots, and physically (one page-set each)
+        self.max_requests = cfg.max_slots - 1
+        self.max_requests_physical = cap.free_page_sets
+        #: SGLang's token budget (what the allocator reports when idle)
+        self.token_budget = int(cap.free_tokens if size is None else size)
+        super().__init__(size=cfg.max_slots * self.rows_per_slot - page_size,
+                         page_size=page_size, dtype=cfg.dtype, head_num=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, layer_num=cfg.num_layers,
+                         device=str(cfg.torch_device), enable_memory_saver=False,
+                         enable_alt_stream=False)
+
+    @classmethod
+    def from_cache(cls, cache: VirtualKVCache, *, page_size: int) -> "VattnMHATokenToKVPool":
+        """A pool over an existing (fresh) cache; its token budget is what the cache holds."""
+        cfg = cache.config
+        return cls(None, page_size=page_size, dtype=cfg.dtype, head_num=cfg.num_kv_heads,
+                   head_dim=cfg.head_dim, layer_num=cfg.num_layers, device=str(cfg.torch_device),
+                   cache=cache)
 
     @staticmethod
     def _hold_pad_slot(cache: VirtualKVCache) -> None:

@@ -1,17 +1,71 @@
 #!/usr/bin/env bash
-# SGLang adapter checks on the GPU machine. Needs SGLang 0.5.17 and its deps staged into
-# $VATTN_SITE (a folder of unpacked wheels: sglang 0.5.17, sglang-kernel 0.4.5, flashinfer-python 0.6.15.post1, xgrammar 0.2.1,
-# apache-tvm-ffi 0.1.11, torchvision 0.26.0 + the small pure-Python deps in
-# tests/adapters/sglang/requirements-cpu.txt). Writes results under $OUT.
-# The end-to-end stock-fa3 vs vattn comparison is NOT implemented yet: the vattn pool/allocator
-# are not installed into SGLang's ModelRunner (out-of-tree platform hooks get_mha_kv_pool_cls /
-# get_paged_allocator_cls, to be written); this script runs the module-level checks only (the
-# same tests as CI: SGLang's own pools, allocation functions, ChunkCache and ForwardBatch,
-# vattn vs torch_native, bit-identical) against the staged SGLang and the GPU's torch.
-set -euo pipefail
-OUT=${OUT:-./out}
-mkdir -p "$OUT"
-export PYTHONPATH=${VATTN_SITE:?set VATTN_SITE to the folder holding sglang and its deps}:${PYTHONPATH:-}
-python -c "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)" \
-  | tee "$OUT/sglang_versions.txt"
-python -m pytest -q tests/adapters/sglang -p no:cacheprovider 2>&1 | tee "$OUT/sglang_tests.txt"
+# SGLang 0.5.17 end to end on one GPU (H200): stock `fa3` vs `--attention-backend vattn`
+# (VATTN_SGLANG=1: the vattn platform makes SGLang's ModelRunner build vattn's KV pool/allocator),
+# each engine in its own process (adapters/sglang/engine_run.py), sampling_backend="pytorch",
+# SGLANG_USE_SGL_FA3_KERNEL=1, page size 16, radix cache off. Stages (VATTN_STAGES, in order):
+#   tests          the CPU suite against the staged SGLang (pool/allocator/platform/backend)
+#   identity       small random Llama (4 layers, d=128, bf16 weights), 32 prompts, stock vs vattn
+#   decode-heavy   Llama-3-8B shape, load_format dummy, 256 x 512 in / 512 out
+#   prefill-heavy  Llama-3-8B shape, load_format dummy, 32 x 16K in / 64 out
+# Default: "identity decode-heavy prefill-heavy". Every stage runs under `timeout` and is skipped
+# (and says so) when less than its minimum is left of VATTN_BUDGET_S (default 530 s, < 9 min).
+# Budgets (min / max s): tests 30/90, identity 120/170, decode-heavy 150/190, prefill-heavy
+# 150/190; estimates (never run yet), SGLang engine start ~60-90 s per mode. Modes per throughput
+# stage: VATTN_MODES (default "stock vattn"; "stock-eager" = stock without CUDA graphs, which the
+# vattn backend does not capture yet). One engine run is capped by VATTN_RUN_TIMEOUT (150 s).
+# Needs SGLang 0.5.17 and its deps importable: staged into $VATTN_SITE (a folder of unpacked
+# wheels: sglang 0.5.17, sglang-kernel 0.4.5, flashinfer-python 0.6.15.post1, xgrammar 0.2.1,
+# apache-tvm-ffi 0.1.11, torchvision 0.26.0 + tests/adapters/sglang/requirements-cpu.txt).
+# Results: $OUT/sglang_results.tgz (JSON per stage, engine logs, summary), rewritten after each
+# stage, and $OUT/sglang_summary.txt.
+set -u
+OUT=${OUT:-/tmp/vattn-out}; mkdir -p "$OUT"
+W=$(mktemp -d); R=$W/sglang; mkdir -p "$R"
+SUM=$R/summary.txt; : > "$SUM"
+START=$(date +%s); BUDGET=${VATTN_BUDGET_S:-530}
+if [ -n "${VATTN_SITE:-}" ]; then export PYTHONPATH="$VATTN_SITE:${PYTHONPATH:-}"; fi
+# the repository root is the package `vattn`; SGLang finds plugins and platforms through package
+# metadata, so a small dist-info next to the link declares vattn's two SGLang entry points
+S=$(mktemp -d); ln -s "$(cd "$(dirname "$0")/../.." && pwd)" "$S/vattn"
+D=$S/vattn_gpu_shim-0.dist-info; mkdir -p "$D"
+printf 'Metadata-Version: 2.1\nName: vattn-gpu-shim\nVersion: 0\n' > "$D/METADATA"
+printf '[sglang.srt.plugins]\nvattn = vattn.adapters.sglang.plugin:register\n\n[sglang.srt.platforms]\nvattn = vattn.adapters.sglang.platform:activate\n' > "$D/entry_points.txt"
+export PYTHONPATH="$S:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 SGLANG_USE_SGL_FA3_KERNEL=1
+unset VATTN_SGLANG   # set per run, for the vattn mode only, by the runner
+
+pack() { tar -czf "$OUT/sglang_results.tgz" -C "$W" sglang 2>/dev/null; cp "$SUM" "$OUT/sglang_summary.txt"; }
+
+# run_stage NAME MIN_S MAX_S CMD...: run under `timeout` if at least MIN_S of the budget is left
+run_stage() {
+  local name=$1 min=$2 max=$3; shift 3
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  if [ "$left" -lt "$min" ]; then
+    echo "== $name: SKIPPED (needs ${min} s, ${left} s of the budget left)" | tee -a "$SUM"; return 3
+  fi
+  local lim=$(( left < max ? left : max )) t0=$(date +%s)
+  echo "== $name (limit ${lim} s)" | tee -a "$SUM"
+  timeout -k 15 "$lim" "$@" > "$R/$name.out" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s$([ $rc -eq 124 ] && echo ' (TIMED OUT)')" | tee -a "$SUM"
+  tail -c 2500 "$R/$name.out" >> "$SUM"; echo >> "$SUM"
+  pack
+  return $rc
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)'
+  python3 -c 'from importlib.metadata import entry_points as e; print([x.value for x in e(group="sglang.srt.platforms")])'
+} > "$R/env.txt" 2>&1
+cat "$R/env.txt" >> "$SUM"
+
+G="python3 -m vattn.adapters.sglang.gpu_run"
+for stage in ${VATTN_STAGES:-identity decode-heavy prefill-heavy}; do
+  case "$stage" in
+    tests) run_stage tests 30 90 python3 -m pytest -q tests/adapters/sglang -p no:cacheprovider ;;
+    identity) run_stage identity 120 170 $G identity --out "$R" ;;
+    decode-heavy|prefill-heavy) run_stage "$stage" 150 190 $G "$stage" --out "$R" ;;
+    *) echo "== unknown stage $stage (tests | identity | decode-heavy | prefill-heavy)" | tee -a "$SUM" ;;
+  esac
+done
+echo "== total $(( $(date +%s) - START )) s" | tee -a "$SUM"
+pack

@@ -22,7 +22,7 @@ PAGE = 16
 def make(budget=64 << 20, reqs=4):
     cache = make_cache(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32,
                        max_requests=reqs, max_context=96, device="cpu", page_budget=budget)
-    alloc = VattnTokenAllocator(VattnMHATokenToKVPool(cache, page_size=PAGE))
+    alloc = VattnTokenAllocator.for_pool(VattnMHATokenToKVPool.from_cache(cache, page_size=PAGE))
     r2t = ReqToTokenPool(size=reqs, max_context_len=96, device="cpu", enable_memory_saver=False)
     tree = ChunkCache(SimpleNamespace(req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
                                       page_size=PAGE))
@@ -82,6 +82,6 @@ def test_token_allocator_path_and_page_size_one_refused():
     with pytest.raises(UnsupportedError, match="page_size > 1"):
         alloc.alloc(4)
     with pytest.raises(ConfigError, match="page_size > 1"):
-        VattnTokenAllocator(VattnMHATokenToKVPool(make_cache(
+        VattnTokenAllocator.for_pool(VattnMHATokenToKVPool.from_cache(make_cache(
             num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_requests=2,
             max_context=96, device="cpu", page_budget=8 << 20), page_size=1))

@@ -33,14 +33,15 @@ L, HQ, HK, D, CTX, REQS, PAGE = 2, 4, 2, 32, 96, 5, 16
 class Side:
     """One engine side: SGLang ReqToTokenPool + KV pool + allocator + ChunkCache + backend."""
 
-    def __init__(self, pool, allocator, backend_cls, **kw):
-        self.r2t = ReqToTokenPool(size=REQS, max_context_len=CTX, device="cpu",
-                                  enable_memory_saver=False)
+    def __init__(self, pool, allocator, backend_cls, r2t=None, **kw):
+        self.r2t = r2t or ReqToTokenPool(size=REQS, max_context_len=CTX, device="cpu",
+                                         enable_memory_saver=False)
         self.pool, self.alloc = pool, allocator
         self.tree = ChunkCache(SimpleNamespace(req_to_token_pool=self.r2t, page_size=pool.page_size,
                                                token_to_kv_pool_allocator=allocator))
-        runner = SimpleNamespace(device="cpu", req_to_token_pool=self.r2t, token_to_kv_pool=pool)
-        self.backend = backend_cls(runner, **kw)
+        self.runner = SimpleNamespace(device="cpu", req_to_token_pool=self.r2t,
+                                      token_to_kv_pool=pool, server_args=kw.pop("server_args", None))
+        self.backend = backend_cls(self.runner, **kw)
 
     def locs(self, mode, rpi, prefix, seq):
         n = sum(s - p for p, s in zip(prefix, seq))
@@ -71,27 +72,28 @@ class Side:
         self.r2t.free(req)
 
 
-def make_sides():
+def make_sides(d=D):
     stock_pool = MHATokenToKVPool(size=REQS * CTX, page_size=1, dtype=torch.float32, head_num=HK,
-                                  head_dim=D, layer_num=L, device="cpu", enable_memory_saver=False,
+                                  head_dim=d, layer_num=L, device="cpu", enable_memory_saver=False,
                                   enable_alt_stream=False)
     stock = Side(stock_pool, TokenToKVPoolAllocator(REQS * CTX, torch.float32, "cpu", stock_pool,
                                                     need_sort=False), TorchNativeAttnBackend)
-    cache = make_cache(num_layers=L, num_kv_heads=HK, head_dim=D, dtype=torch.float32,
+    cache = make_cache(num_layers=L, num_kv_heads=HK, head_dim=d, dtype=torch.float32,
                        max_requests=REQS, max_context=CTX, device="cpu", page_budget=64 << 20)
-    pool = VattnMHATokenToKVPool(cache, page_size=PAGE)
-    return stock, Side(pool, VattnTokenAllocator(pool), VattnAttnBackend)
+    pool = VattnMHATokenToKVPool.from_cache(cache, page_size=PAGE)
+    return stock, Side(pool, VattnTokenAllocator.for_pool(pool), VattnAttnBackend)
 
 
 LAYERS = [RadixAttention(HQ, D, D ** -0.5, HK, layer_id=i) for i in range(L)]
 
 
-def run_step(sides, mode, rpi, prefix, seq, gen):
+def run_step(sides, mode, rpi, prefix, seq, gen, layers=None):
     fbs = [side.forward_batch(mode, rpi, prefix, seq) for side in sides]
     n = sum(s - p for p, s in zip(prefix, seq))
-    for layer in LAYERS:
-        q, k, v = (torch.randn(n, h * D, generator=gen) for h in (HQ, HK, HK))
-        k, v = k.view(n, HK, D), v.view(n, HK, D)
+    for layer in layers or LAYERS:
+        d = layer.qk_head_dim
+        q, k, v = (torch.randn(n, h * d, generator=gen) for h in (HQ, HK, HK))
+        k, v = k.view(n, HK, d), v.view(n, HK, d)
         fwd = "forward_extend" if mode is ForwardMode.EXTEND else "forward_decode"
         o_stock, o_vattn = (getattr(s.backend, fwd)(q, k, v, layer, fb)
                             for s, fb in zip(sides, fbs))
@@ -101,17 +103,37 @@ def run_step(sides, mode, rpi, prefix, seq, gen):
 
 @pytest.mark.parametrize("lens", [(17, 5, 40), (1, 33, 64)])
 def test_extend_chunked_then_decode_bit_identical_to_torch_native(lens):
-    sides, gen = make_sides(), torch.Generator().manual_seed(sum(lens))
+    run_cycle(make_sides(), lens)
+
+
+def test_configurator_built_vattn_side_bit_identical_to_torch_native(configure_pools,
+                                                                     sglang_server_args):
+    """Pool, allocator and ReqToTokenPool from SGLang's configurator with the vattn platform,
+    backend from the plugin's factory (which checks the cache against the ReqToTokenPool)."""
+    from vattn.adapters.sglang.platform import VattnCudaPlatform
+    from vattn.adapters.sglang.plugin import create_vattn_backend
+
+    pools = configure_pools(VattnCudaPlatform(), num_tokens=512)
+    d = 64                                                        # the tiny model's head dim
+    vattn = Side(pools.token_to_kv_pool, pools.token_to_kv_pool_allocator, create_vattn_backend,
+                 r2t=pools.req_to_token_pool, server_args=sglang_server_args)
+    run_cycle([make_sides(d)[0], vattn], (9, 40, 3),
+              layers=[RadixAttention(HQ, d, d ** -0.5, HK, layer_id=i) for i in range(L)])
+    assert vattn.alloc.available_size() == 512                    # idle again: SGLang's check
+
+
+def run_cycle(sides, lens, layers=None):
+    gen = torch.Generator().manual_seed(sum(lens))
     reqs = [SimpleNamespace(req_pool_idx=None, cache_protected_len=0) for _ in lens]
     rpi = sides[0].r2t.alloc(reqs)
     assert sides[1].r2t.alloc([SimpleNamespace(req_pool_idx=None) for _ in lens]) == rpi
     first = [max(1, n // 2) for n in lens]
-    run_step(sides, ForwardMode.EXTEND, rpi, [0] * len(lens), first, gen)
-    run_step(sides, ForwardMode.EXTEND, rpi, first, list(lens), gen)  # chunked prefill
+    run_step(sides, ForwardMode.EXTEND, rpi, [0] * len(lens), first, gen, layers)
+    run_step(sides, ForwardMode.EXTEND, rpi, first, list(lens), gen, layers)  # chunked prefill
     seq = list(lens)
     for _ in range(5):
         seq = [s + 1 for s in seq]
-        run_step(sides, ForwardMode.DECODE, rpi, [s - 1 for s in seq], seq, gen)
+        run_step(sides, ForwardMode.DECODE, rpi, [s - 1 for s in seq], seq, gen, layers)
     stock_free, vattn = sides[0].alloc.available_size(), sides[1]
     for req, s in zip(reqs, seq):
         sides[0].finish(SimpleNamespace(**vars(req)), s)

@@ -36,3 +36,24 @@ def test_radix_cache_must_be_off():
     with pytest.raises(ConfigError, match="page-size"):
         check_server_args(SimpleNamespace(disable_radix_cache=True, page_size=1))
     check_server_args(SimpleNamespace(disable_radix_cache=True, page_size=16))
+
+
+def test_backend_factory_needs_vattn_pool_and_a_fitting_cache(configure_pools,
+                                                              sglang_server_args):
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from vattn.adapters.sglang.platform import VattnCudaPlatform
+    from vattn.adapters.sglang.plugin import create_vattn_backend
+
+    stock = configure_pools(None)
+    runner = SimpleNamespace(server_args=sglang_server_args, device="cpu",
+                             token_to_kv_pool=stock.token_to_kv_pool,
+                             req_to_token_pool=stock.req_to_token_pool)
+    with pytest.raises(ConfigError, match="VATTN_SGLANG=1"):
+        create_vattn_backend(runner)
+    pools = configure_pools(VattnCudaPlatform())
+    runner.token_to_kv_pool = pools.token_to_kv_pool
+    runner.req_to_token_pool = ReqToTokenPool(size=3, max_context_len=4096, device="cpu",
+                                              enable_memory_saver=False)
+    with pytest.raises(ConfigError, match="req_to_token rows hold 4096"):
+        create_vattn_backend(runner)

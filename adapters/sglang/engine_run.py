@@ -1,0 +1,97 @@
+"""One ``sglang.Engine`` run in its own process: ``python -m vattn.adapters.sglang.engine_run SPEC OUT``.
+
+SGLang resolves its platform once per process (at import), so stock and vattn runs each get a
+fresh process; :class:`~.conformance.SglangRunner` starts it with ``VATTN_SGLANG=1`` for the
+vattn mode only. ``SPEC`` (JSON): ``mode``, ``model_path``, ``prompts`` (token ids),
+``max_new_tokens``, ``logprobs`` (top-k, 0: none), ``engine_args`` (extra ``sglang.Engine``
+keyword arguments). ``OUT`` (JSON): :class:`~vattn.conformance.protocol.RunResult` fields.
+
+Both modes: ``page_size=16``, radix cache off, ``sampling_backend="pytorch"``, greedy,
+``ignore_eos``. ``stock``: ``--attention-backend fa3`` with CUDA graphs (SGLang's default);
+``stock-eager``: the same without CUDA graphs; ``vattn``: ``--attention-backend vattn`` without
+CUDA graphs (the vattn backend has no CUDA-graph capture hooks yet). Timing: a short warm-up
+generate first, then one timed ``generate`` of all prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+MODES = ("stock", "stock-eager", "vattn")
+_BACKEND = {"stock": "fa3", "stock-eager": "fa3", "vattn": "vattn"}
+
+
+def engine_kwargs(mode: str, model_path: str, extra: dict) -> dict:
+    """The ``sglang.Engine`` keyword arguments of ``mode`` (``extra`` wins)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    kw = dict(model_path=model_path, attention_backend=_BACKEND[mode], page_size=16,
+              disable_radix_cache=True, sampling_backend="pytorch", skip_tokenizer_init=True,
+              dtype="bfloat16", log_level="error", random_seed=0)
+    if mode != "stock":
+        kw["disable_cuda_graph"] = True
+    kw.update(extra)
+    return kw
+
+
+def _top(entries) -> dict[int, float]:
+    """SGLang's ``[(logprob, token_id, text), ...]`` of one position -> ``{token_id: logprob}``."""
+    return {int(e[1]): float(e[0]) for e in (entries or []) if e is not None}
+
+
+def _logprobs(out: dict) -> list[dict[int, float]]:
+    meta = out.get("meta_info", {})
+    tops = meta.get("output_top_logprobs") or []
+    chosen = meta.get("output_token_logprobs") or []
+    result = []
+    for i, pos in enumerate(tops):
+        d = _top(pos)
+        if i < len(chosen) and chosen[i] is not None:
+            d[int(chosen[i][1])] = float(chosen[i][0])
+        result.append(d)
+    return result
+
+
+def run(spec: dict) -> dict:
+    """Start the engine, warm up, time one generate; return the RunResult fields as a dict."""
+    import sglang
+
+    if spec["mode"] == "vattn" and os.environ.get("VATTN_SGLANG") != "1":
+        raise RuntimeError("vattn mode needs VATTN_SGLANG=1 in this process's environment")
+    t0 = time.perf_counter()
+    engine = sglang.Engine(**engine_kwargs(spec["mode"], spec["model_path"],
+                                           spec.get("engine_args", {})))
+    init_s = time.perf_counter() - t0
+    prompts, new, k = spec["prompts"], int(spec["max_new_tokens"]), int(spec.get("logprobs", 0))
+    params = dict(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+    try:
+        engine.generate(input_ids=prompts[:2], sampling_params=dict(params, max_new_tokens=4))
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=k > 0,
+                               top_logprobs_num=k if k > 0 else None)
+        seconds = time.perf_counter() - start
+    finally:
+        engine.shutdown()
+    ids = [list(o["output_ids"]) for o in outs]
+    return dict(token_ids=ids, logprobs=[_logprobs(o) for o in outs] if k > 0 else None,
+                seconds=seconds, num_prompt_tokens=sum(map(len, prompts)),
+                num_generated_tokens=sum(map(len, ids)),
+                extra=dict(init_s=init_s, mode=spec["mode"],
+                           engine_args=engine_kwargs(spec["mode"], "", spec.get("engine_args", {}))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec_path, out_path = (argv or sys.argv[1:])[:2]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result = run(spec)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

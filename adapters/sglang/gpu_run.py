@@ -1,0 +1,126 @@
+"""The GPU stages behind ``tools/gpu/sglang.sh`` (SGLang 0.5.17 on one H200).
+
+``python -m vattn.adapters.sglang.gpu_run STAGE --out DIR``; STAGE is
+
+* ``identity``: a small random Llama (4 layers, hidden 2048, 16 q / 8 kv heads, d=128, std 0.02,
+  bf16 safetensors built by :func:`vattn.conformance.models.build_model`), 32 prompts of 64-448
+  tokens, 32 new tokens, ``stock`` vs ``vattn``; judged by :func:`vattn.conformance.identity.compare`
+  (near-ties allowed: FA3 vs vattn's kernel) and :func:`check_not_degenerate`;
+* ``decode-heavy`` (256 x 512 in / 512 out) and ``prefill-heavy`` (32 x 16K in / 64 out):
+  Llama-3-8B shape, ``load_format="dummy"``, throughput of every mode in ``VATTN_MODES``
+  (default ``stock vattn``; ``stock-eager`` = stock without CUDA graphs, like vattn).
+
+Each stage writes ``DIR/<stage>.json``; engine logs go to ``DIR/logs``. ``VATTN_RUN_TIMEOUT``
+(seconds, default 150) limits one engine run; ``VATTN_SGLANG_ENGINE_ARGS`` (JSON) adds
+``sglang.Engine`` arguments to every mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from vattn.conformance.identity import compare
+from vattn.conformance.models import build_model, check_not_degenerate, random_prompts
+
+from .conformance import SglangRunner
+
+#: name -> (num prompts, prompt length, new tokens)
+WORKLOADS = {"decode-heavy": (256, 512, 512), "prefill-heavy": (32, 16384, 64)}
+LLAMA3_8B = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+                 rope_theta=500000.0, max_position_embeddings=16384 + 1024)
+IDENTITY_MODEL = dict(num_hidden_layers=4, hidden_size=2048, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=4096,
+                      vocab_size=32000, max_position_embeddings=4096)
+
+
+def _model(out: str, name: str, fields: dict, *, weights: bool) -> str:
+    path = build_model(fields, os.path.join(out, "models", name), dtype="bfloat16",
+                       device="cuda", save_weights=weights)
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if not cfg.get("architectures"):                 # SGLang picks the model class from it
+        cfg["architectures"] = ["LlamaForCausalLM"]
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f, indent=2)
+    return path
+
+
+def _runner(out: str, modes, **engine_args) -> SglangRunner:
+    engine_args.update(json.loads(os.environ.get("VATTN_SGLANG_ENGINE_ARGS", "{}")))
+    return SglangRunner(modes=tuple(modes), engine_args=engine_args,
+                        timeout_s=float(os.environ.get("VATTN_RUN_TIMEOUT", 150)),
+                        log_dir=os.path.join(out, "logs"))
+
+
+def _run_all(runner, model, prompts, new, *, logprobs):
+    results, errors = {}, {}
+    for mode in runner.modes:
+        start = time.perf_counter()
+        try:
+            results[mode] = runner.run(mode, model, prompts, new, logprobs=logprobs,
+                                       device="cuda", dtype="bfloat16")
+        except Exception as exc:  # record and go on: one failing mode must not hide the others
+            errors[mode] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
+        print(f"[{mode}] {'ok' if mode in results else 'FAILED'} "
+              f"({time.perf_counter() - start:.0f} s incl. engine start)", flush=True)
+    return results, errors
+
+
+def identity(out: str) -> dict:
+    """Stock vs vattn tokens on a small non-degenerate random model."""
+    model = _model(out, "identity-4l", IDENTITY_MODEL, weights=True)
+    lens = [64 + 12 * i for i in range(32)]
+    prompts = random_prompts(32, lens, vocab_size=IDENTITY_MODEL["vocab_size"], seed=0)
+    runner = _runner(out, ("stock", "vattn"), max_running_requests=32, context_length=1024)
+    results, errors = _run_all(runner, model, prompts, 32, logprobs=5)
+    report = {"stage": "identity", "errors": errors, "ok": False}
+    if "stock" in results:
+        report["degenerate_check"] = check_not_degenerate(results["stock"].token_ids)
+    if len(results) == 2:
+        check = compare(results["stock"], results["vattn"], require_exact=False)
+        report["identity"] = check.to_dict()
+        report["ok"] = bool(check.ok and report["degenerate_check"]["ok"])
+    report["seconds"] = {m: r.seconds for m, r in results.items()}
+    return report
+
+
+def throughput(out: str, workload: str) -> dict:
+    """Tokens/s of every mode on a Llama-3-8B-shaped dummy model."""
+    num, length, new = WORKLOADS[workload]
+    model = _model(out, "llama3-8b-shape", LLAMA3_8B, weights=False)
+    prompts = random_prompts(num, length, vocab_size=LLAMA3_8B["vocab_size"], seed=1)
+    modes = os.environ.get("VATTN_MODES", "stock vattn").split()
+    runner = _runner(out, modes, load_format="dummy", max_running_requests=num,
+                     context_length=length + new + 64, mem_fraction_static=0.85)
+    results, errors = _run_all(runner, model, prompts, new, logprobs=0)
+    rows = {m: {"seconds": r.seconds, "generated_tok_s": r.num_generated_tokens / r.seconds,
+                "total_tok_s": (r.num_generated_tokens + r.num_prompt_tokens) / r.seconds,
+                "init_s": r.extra.get("init_s")} for m, r in results.items()}
+    base = rows.get(modes[0])
+    for row in rows.values():
+        row["speedup_vs_" + modes[0]] = base["seconds"] / row["seconds"] if base else None
+    return {"stage": workload, "workload": dict(num=num, prompt_len=length, new_tokens=new),
+            "modes": rows, "errors": errors, "ok": not errors}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vattn.adapters.sglang.gpu_run")
+    parser.add_argument("stage", choices=["identity", *WORKLOADS])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    report = identity(args.out) if args.stage == "identity" else throughput(args.out, args.stage)
+    with open(os.path.join(args.out, f"{args.stage}.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2)[-4000:], flush=True)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The vattn SGLang platform: stock CUDA, except that SGLang builds vattn's KV pool and allocator.
+
+SGLang 0.5.17 lets an out-of-tree platform choose the KV pool and the paged allocator:
+``KVCacheConfigurator`` calls ``current_platform.get_mha_kv_pool_cls()`` /
+``get_paged_allocator_cls()`` when ``current_platform.is_out_of_tree()``. Platforms are found
+through the entry-point group ``sglang.srt.platforms`` (``sglang.srt.platforms._resolve_platform``:
+each entry point is a function returning a class's qualified name, or ``None`` to stay out;
+``SGLANG_PLATFORM=vattn`` selects it when several are installed)::
+
+    [project.entry-points."sglang.srt.platforms"]
+    vattn = "vattn.adapters.sglang.platform:activate"
+
+Opt-in: :func:`activate` returns the platform only with ``VATTN_SGLANG=1`` (SGLang resolves the
+platform when its modules are imported, before any server argument exists); otherwise SGLang's
+own platform is used, unchanged. With it active the attention backend defaults to ``vattn`` and
+any other backend is refused (the pool exists for it).
+
+:class:`VattnCudaPlatform` subclasses SGLang's ``CudaSRTPlatform`` and keeps ``is_cuda()`` true,
+so every ``is_cuda()`` branch stays stock. Overriding ``is_out_of_tree()`` also routes SGLang's
+other out-of-tree branches through this class; each is answered with the stock CUDA choice:
+dispatch key ``"cuda"``, the model runner's own decode CUDA-graph runner, the CUDA piecewise
+backend, ``"inductor"``, no platform quantization config. Three differ from stock: the device
+memory capacity is read from torch instead of ``nvidia-smi`` (SGLang's OOT branch), RoPE for head
+sizes other than 64/128/256/512 skips SGLang's CUDA rope kernel (its OOT branch), and SGLang's
+default attention backend is ``vattn``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from sglang.srt.platforms.cuda import CudaSRTPlatform
+
+from vattn.core.errors import ConfigError, UnsupportedError
+
+from .plugin import BACKEND_NAME, check_server_args
+from .version import check_version
+
+#: Environment variable that opts SGLang into the vattn platform.
+OPT_IN = "VATTN_SGLANG"
+QUALNAME = "vattn.adapters.sglang.platform.VattnCudaPlatform"
+
+
+def opted_in() -> bool:
+    """Whether ``VATTN_SGLANG`` asks for the vattn platform (``1``/``true``/``yes``)."""
+    return os.environ.get(OPT_IN, "").strip().lower() in ("1", "true", "yes")
+
+
+def activate() -> str | None:
+    """SGLang platform entry point: the platform's qualified name when opted in, else ``None``.
+
+    Raises
+    ------
+    UnsupportedError
+        Opted in on an SGLang version the adapter was not written for (SGLang's auto-discovery
+        logs this and keeps its own platform; with ``SGLANG_PLATFORM=vattn`` it is fatal).
+    """
+    if not opted_in():
+        return None
+    check_version()
+    return QUALNAME
+
+
+def _graph_runner(model_runner):
+    """The decode CUDA-graph runner stock SGLang builds for a CUDA ``ModelRunner``."""
+    return model_runner._decode_cuda_graph_runner_cls()(model_runner)
+
+
+class VattnCudaPlatform(CudaSRTPlatform):
+    """SGLang's CUDA platform whose KV pool / paged allocator are vattn's (host-side only)."""
+
+    def is_out_of_tree(self) -> bool:
+        """True: registered through ``sglang.srt.platforms`` (turns on the pool hooks)."""
+        return True
+
+    def get_mha_kv_pool_cls(self) -> type:
+        from .pool import VattnMHATokenToKVPool
+        return VattnMHATokenToKVPool
+
+    def get_paged_allocator_cls(self) -> type:
+        from .allocator import VattnTokenAllocator
+        return VattnTokenAllocator
+
+    def get_mla_kv_pool_cls(self) -> type:
+        raise UnsupportedError("vattn's SGLang platform does not support MLA models")
+
+    def get_dsa_kv_pool_cls(self) -> type:
+        raise UnsupportedError("vattn's SGLang platform does not support DSA (MLA) models")
+
+    def get_default_attention_backend(self) -> str:
+        return BACKEND_NAME
+
+    def apply_server_args_defaults(self, server_args) -> None:
+        """Default ``--attention-backend vattn`` / ``--page-size 16``; refuse what cannot work.
+
+        Raises
+        ------
+        ConfigError
+            Another attention backend, radix cache on, or ``page_size`` < 2.
+        UnsupportedError
+            A device other than CUDA.
+        """
+        if getattr(server_args, "device", "cuda") not in (None, "cuda"):
+            raise UnsupportedError(f"{OPT_IN}=1 (vattn's SGLang platform) runs on CUDA only, got "
+                                   f"--device {server_args.device}")
+        for name in ("attention_backend", "prefill_attention_backend",
+                     "decode_attention_backend"):
+            value = getattr(server_args, name, None)
+            if value not in (None, BACKEND_NAME):
+                raise ConfigError(f"{OPT_IN}=1 builds vattn's KV pool, which needs "
+                                  f"--attention-backend {BACKEND_NAME}; got {name}={value!r}")
+        server_args.attention_backend = BACKEND_NAME
+        if getattr(server_args, "page_size", None) is None:
+            server_args.page_size = 16
+        check_server_args(server_args)
+
+    def get_graph_runner_cls(self):
+        return _graph_runner
+
+    def get_piecewise_backend_cls(self) -> type:
+        from sglang.srt.compilation.cuda_piecewise_backend import CUDAPiecewiseBackend
+        return CUDAPiecewiseBackend
+
+    def get_dispatch_key_name(self) -> str:
+        return "cuda"
+
+    def get_compile_backend(self, mode: str | None = None) -> str:
+        return "inductor"
+
+    def get_torch_profiler_activity_str(self) -> str:
+        return "CUDA"  # not one of SGLang's own "CPU" / "GPU": no second profiler is added
+
+    def get_torch_profiler_activity(self):
+        import torch
+        return torch.profiler.ProfilerActivity.CUDA

@@ -1,0 +1,123 @@
+"""Size the vattn cache from what SGLang's KV-cache configurator decided (pure functions).
+
+SGLang 0.5.17's ``KVCacheConfigurator`` builds, in this order, the ``ReqToTokenPool``
+(``max_running_requests`` rows of ``context_len + extra`` tokens), the KV pool
+(``PoolCls(max_total_num_tokens, page_size=..., dtype=..., head_num=..., ...)``) and the allocator.
+The KV pool is not handed the request pool, so vattn derives its two bounds:
+
+* ``max_context``: the request-pool row length, ``model context_len +
+  get_req_to_token_extra_context_len(server_args)`` from SGLang's published ``ServerArgs``;
+* ``max_requests``: the page-sets SGLang's token budget buys (a live request holds at least
+  one), capped by ``--max-running-requests`` when the user gave it.
+
+The physical page budget is the page-sets holding ``max_total_num_tokens`` tokens plus
+the two padding page-sets (the core's padding slot and the pool's slot 0), so an idle allocator
+reports ``available_size() == max_total_num_tokens`` (SGLang's idle leak check). Both bounds are
+checked against the real ``ReqToTokenPool`` when the attention backend is created
+(:func:`check_fit`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vattn.core import KVCacheConfig
+from vattn.core.errors import ConfigError
+from vattn.core.layout import KVLayout
+
+#: Physical page size: the VMM granularity of the stock driver (design decision 1).
+PAGE_BYTES = 2 << 20
+#: Page-sets held for padding: the core's padding slot and the pool's slot 0.
+PAD_PAGE_SETS = 2
+
+
+def sglang_bounds() -> tuple[int, int | None]:
+    """``(max_context, max_requests or None)`` from SGLang's published ``ServerArgs``.
+
+    Raises
+    ------
+    ConfigError
+        If SGLang has not published its server args in this process (no engine running).
+    """
+    from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
+    from sglang.srt.runtime_context import get_parallel, get_server_args
+
+    try:
+        args = get_server_args()
+    except ValueError as exc:
+        raise ConfigError("the vattn SGLang pool sizes itself from SGLang's published server "
+                          f"args, which are not set in this process: {exc}") from exc
+    context = args.get_model_config().context_len + get_req_to_token_extra_context_len(args)
+    reqs = args.max_running_requests
+    if reqs is not None:
+        reqs = max(1, reqs // max(1, get_parallel().attn_dp_size))
+    return int(context), reqs
+
+
+def cache_config(*, num_tokens: int, dtype: torch.dtype, head_num: int, head_dim: int,
+                 layer_num: int, device: str, max_context: int, max_requests: int | None = None,
+                 group_size: int | None = None, map_ahead_tokens: int | None = None
+                 ) -> KVCacheConfig:
+    """The :class:`KVCacheConfig` behind a pool SGLang asked to hold ``num_tokens`` tokens.
+
+    Parameters
+    ----------
+    num_tokens : int
+        SGLang's ``max_total_num_tokens`` (its memory profiler's token budget).
+    dtype, head_num, head_dim, layer_num, device
+        As SGLang passes them to its KV pool (``head_num``: KV heads of this rank).
+    max_context : int
+        Tokens one request can hold (SGLang's ``req_to_token`` row length).
+    max_requests : int, optional
+        Concurrent requests (``--max-running-requests`` per worker); default: one per page-set.
+    group_size, map_ahead_tokens : int, optional
+        Core options; default from ``VATTN_SGLANG_GROUP_SIZE`` / ``VATTN_SGLANG_MAP_AHEAD``,
+        else the core's defaults (map-ahead off on the CPU).
+    """
+    if num_tokens < 1:
+        raise ConfigError(f"SGLang's KV token budget must be >= 1, got {num_tokens}")
+    group_size = group_size or _env_int("VATTN_SGLANG_GROUP_SIZE")
+    if map_ahead_tokens is None:
+        map_ahead_tokens = _env_int("VATTN_SGLANG_MAP_AHEAD")
+    if map_ahead_tokens is None:
+        map_ahead_tokens = 0 if torch.device(device).type == "cpu" else 256
+    base = dict(num_layers=layer_num, num_kv_heads=head_num, head_dim=head_dim, dtype=dtype,
+                max_context=max_context, group_size=group_size, page_bytes=PAGE_BYTES,
+                device=device, map_ahead_tokens=map_ahead_tokens)
+    probe = KVCacheConfig(**base, max_slots=1)
+    layout = KVLayout.from_config(probe, PAGE_BYTES)
+    # page-sets holding num_tokens tokens; one page-set serves one request, so also enough of
+    # them for num_tokens / max_context requests (small models: a page-set > max_context)
+    sets = max(layout.pages_for(num_tokens), -(-num_tokens // max_context))
+    slots = sets if max_requests is None else max(1, min(int(max_requests), sets))
+    budget = (sets + PAD_PAGE_SETS) * layout.page_set_bytes
+    return KVCacheConfig(**dict(base, group_size=probe.group_size), max_slots=slots + 1,
+                         page_budget=budget)
+
+
+def check_fit(pool, req_to_token_pool) -> None:
+    """Raise :class:`ConfigError` unless the vattn pool can serve SGLang's request pool.
+
+    A request's positions are ``< req_to_token_pool.max_context_len`` and at most
+    ``min(req_to_token_pool.size, page-sets)`` requests are live at once.
+    """
+    cfg = pool.vattn_cache.config
+    if req_to_token_pool.max_context_len > cfg.max_context:
+        raise ConfigError(f"SGLang's req_to_token rows hold {req_to_token_pool.max_context_len} "
+                          f"tokens, the vattn cache only {cfg.max_context} per request")
+    need = min(int(req_to_token_pool.size), pool.max_requests_physical)
+    if need > pool.max_requests:
+        raise ConfigError(f"SGLang may run {need} requests at once, the vattn cache has "
+                          f"{pool.max_requests} slots; raise --max-running-requests")
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return None
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from exc

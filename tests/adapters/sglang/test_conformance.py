@@ -1,0 +1,37 @@
+"""The SGLang conformance runner: exact CPU refusal, per-mode engine arguments."""
+
+import pytest
+
+from vattn.adapters.sglang.engine_run import _logprobs, engine_kwargs
+from vattn.core.errors import UnsupportedError
+
+
+def test_runner_refuses_cpu_with_the_exact_reason():
+    pytest.importorskip("sglang.srt.server_args", reason="sglang (CPU import set) not installed")
+    from vattn.adapters.sglang.conformance import WHY_CPU, SglangRunner
+
+    runner = SglangRunner()
+    assert runner.modes == ("stock", "vattn")
+    with pytest.raises(UnsupportedError) as err:
+        runner.run("vattn", "/nonexistent", [[1, 2, 3]], 4, device="cpu")
+    assert str(err.value) == WHY_CPU and "sgl_kernel's CPU build" in WHY_CPU
+    with pytest.raises(UnsupportedError, match="modes must be among"):
+        SglangRunner(modes=("paged",))
+
+
+def test_engine_kwargs_per_mode():
+    stock, vattn = (engine_kwargs(m, "/m", {}) for m in ("stock", "vattn"))
+    assert (stock["attention_backend"], vattn["attention_backend"]) == ("fa3", "vattn")
+    for kw in (stock, vattn):
+        assert kw["page_size"] == 16 and kw["disable_radix_cache"]
+        assert kw["sampling_backend"] == "pytorch"
+    assert "disable_cuda_graph" not in stock and vattn["disable_cuda_graph"]
+    assert engine_kwargs("stock-eager", "/m", {"load_format": "dummy"})["load_format"] == "dummy"
+    with pytest.raises(ValueError, match="mode"):
+        engine_kwargs("paged", "/m", {})
+
+
+def test_logprobs_from_sglang_meta_info():
+    out = {"meta_info": {"output_top_logprobs": [[(-0.1, 7, None), (-2.0, 3, None)]],
+                         "output_token_logprobs": [(-0.1, 7, None)]}}
+    assert _logprobs(out) == [{7: -0.1, 3: -2.0}]

@@ -1,0 +1,110 @@
+"""The vattn SGLang platform: discovery by SGLang's own resolver, class choice by its configurator.
+
+CPU seam: SGLang resolves its process-wide ``current_platform`` once, at import (the CPU
+platform here), and ``ServerArgs`` under a CUDA platform queries CUDA memory. So discovery is
+checked by calling SGLang's resolver ``_resolve_platform()`` directly, and the configurator by
+replacing its module's ``current_platform`` with a ``VattnCudaPlatform()`` (a plain object: no
+CUDA call when built); everything after that is SGLang's own code on the host backend.
+"""
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang.srt.mem_cache.kv_cache_configurator",
+                    reason="sglang (CPU import set) not installed")
+
+from sglang.srt import platforms  # noqa: E402
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+
+from vattn.adapters.sglang.allocator import VattnTokenAllocator  # noqa: E402
+from vattn.adapters.sglang.platform import VattnCudaPlatform, activate  # noqa: E402
+from vattn.adapters.sglang.pool import VattnMHATokenToKVPool  # noqa: E402
+from vattn.core.errors import ConfigError, UnsupportedError  # noqa: E402
+
+PYPROJECT = Path(__file__).resolve().parents[3] / "pyproject.toml"
+
+
+@pytest.fixture
+def entry_point(tmp_path, monkeypatch):
+    """Declare pyproject's ``sglang.srt.platforms`` table through package metadata on sys.path."""
+    table = tomllib.loads(PYPROJECT.read_text())["project"]["entry-points"]["sglang.srt.platforms"]
+    dist = tmp_path / "vattn_test_shim-0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vattn-test-shim\nVersion: 0\n")
+    lines = [f"{name} = {value}" for name, value in table.items()]
+    (dist / "entry_points.txt").write_text("[sglang.srt.platforms]\n" + "\n".join(lines) + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("SGLANG_PLATFORM", raising=False)
+    return table
+
+
+def test_opt_in_resolves_vattn_platform_through_sglang_discovery(entry_point, monkeypatch):
+    assert entry_point == {"vattn": "vattn.adapters.sglang.platform:activate"}
+    monkeypatch.setenv("VATTN_SGLANG", "1")
+    found = platforms._resolve_platform()
+    assert type(found) is VattnCudaPlatform
+    assert found.is_out_of_tree() and found.is_cuda()          # hooks on, CUDA branches stock
+    assert found.get_mha_kv_pool_cls() is VattnMHATokenToKVPool
+    assert found.get_paged_allocator_cls() is VattnTokenAllocator
+    assert found.get_dispatch_key_name() == "cuda"
+    monkeypatch.setenv("SGLANG_PLATFORM", "vattn")               # explicit selection works too
+    assert type(platforms._resolve_platform()) is VattnCudaPlatform
+
+
+def test_without_opt_in_sglang_keeps_its_platform(entry_point, monkeypatch):
+    monkeypatch.delenv("VATTN_SGLANG", raising=False)
+    assert activate() is None
+    found = platforms._resolve_platform()
+    assert not isinstance(found, VattnCudaPlatform) and not found.is_out_of_tree()
+    monkeypatch.setenv("SGLANG_PLATFORM", "vattn")
+    with pytest.raises(RuntimeError, match="returned None"):
+        platforms._resolve_platform()
+
+
+def test_configurator_chooses_vattn_pool_and_allocator(configure_pools):
+    pools = configure_pools(VattnCudaPlatform(), num_tokens=512)
+    r2t, pool, alloc = pools.req_to_token_pool, pools.token_to_kv_pool, pools.token_to_kv_pool_allocator
+    assert type(r2t) is ReqToTokenPool and (r2t.size, r2t.max_context_len) == (3, 100)
+    assert type(pool) is VattnMHATokenToKVPool and type(alloc) is VattnTokenAllocator
+    cfg = pool.vattn_cache.config
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == (2, 2, 64)
+    assert cfg.max_context == r2t.max_context_len               # req_to_token row length
+    assert pool.max_requests >= r2t.size                         # --max-running-requests 3
+    assert alloc.size == 512 and alloc.available_size() == 512   # SGLang's idle leak check holds
+
+
+def test_configurator_without_vattn_platform_chooses_stock(configure_pools):
+    pools = configure_pools(None)
+    assert type(pools.token_to_kv_pool) is MHATokenToKVPool
+    assert type(pools.token_to_kv_pool_allocator) is PagedTokenToKVPoolAllocator
+
+
+def test_platform_refuses_other_backends_radix_cache_and_non_cuda():
+    from types import SimpleNamespace as NS
+    plat = VattnCudaPlatform()
+    args = NS(device="cuda", attention_backend=None, prefill_attention_backend=None,
+              decode_attention_backend=None, page_size=None, disable_radix_cache=True)
+    plat.apply_server_args_defaults(args)
+    assert (args.attention_backend, args.page_size) == ("vattn", 16)
+    with pytest.raises(ConfigError, match="--attention-backend vattn; got attention_backend='fa3'"):
+        plat.apply_server_args_defaults(NS(**dict(vars(args), attention_backend="fa3")))
+    with pytest.raises(ConfigError, match="disable-radix-cache"):
+        plat.apply_server_args_defaults(NS(**dict(vars(args), disable_radix_cache=False)))
+    with pytest.raises(UnsupportedError, match="CUDA only"):
+        plat.apply_server_args_defaults(NS(**dict(vars(args), device="cpu")))
+    with pytest.raises(UnsupportedError, match="MLA"):
+        plat.get_mla_kv_pool_cls()
+
+
+def test_pool_refuses_unsupported_sglang_arguments(configure_pools):
+    kw = dict(page_size=16, dtype=__import__("torch").float32, head_num=2, head_dim=64,
+              layer_num=2, device="cpu")
+    with pytest.raises(UnsupportedError, match="enable_kv_cache_copy"):
+        VattnMHATokenToKVPool(512, **kw, enable_kv_cache_copy=True)   # hybrid-model call site
+    with pytest.raises(UnsupportedError, match="pipeline"):
+        VattnMHATokenToKVPool(512, **kw, start_layer=1, end_layer=2)
+    with pytest.raises(UnsupportedError, match="memory-saver"):
+        VattnMHATokenToKVPool(512, **kw, enable_memory_saver=True)
