@@ -42,6 +42,9 @@ class VattnBlockTables(BlockTables):
         if self.num_kv_cache_groups != 1 or self.cp_size != 1:
             raise UnsupportedError(f"vattn needs one KV cache group without context parallelism, got "
                                    f"{self.num_kv_cache_groups} groups, cp_size={self.cp_size}")
+        if self.blocks_per_kv_block != [1]:   # num_blocks would count kernel blocks, not page-sets
+            raise UnsupportedError(f"vattn needs the kernel block size to equal the block size, got "
+                                   f"{self.kernel_block_sizes} for {self.block_sizes}")
         self.runtime = runtime
         self._seq_lens = seq_lens
 

@@ -97,39 +97,72 @@ class VllmRunner:
             with open(src, "w") as f:
                 json.dump(spec, f)
             cmd = [sys.executable, "-m", "vattn.adapters.vllm.worker", src, dst]
-            proc = _run_group(cmd, env, self.timeout_s)
-            self._log(spec["mode"], proc)
-            if proc.returncode != 0:
+            log = self._log_path(spec["mode"])
+            try:
+                proc = _run_group(cmd, env, self.timeout_s, log)
+            except subprocess.TimeoutExpired as exc:
+                raise VattnError(f"vLLM {spec['mode']} run timed out after {self.timeout_s:.0f} s:\n"
+                                 f"{_tail(log) if log else ''}") from exc
+            if proc.returncode != 0:   # the root cause last: callers keep the message's tail
                 raise VattnError(f"vLLM {spec['mode']} run failed (exit {proc.returncode}):\n"
-                                 f"{proc.stderr[-4000:]}")
+                                 f"{proc.stderr[-2500:]}{_first_traceback(log)}")
             with open(dst) as f:
                 out = json.load(f)
         if out["logprobs"] is not None:
             out["logprobs"] = [[{int(k): v for k, v in pos.items()} for pos in req] for req in out["logprobs"]]
         return out
 
-
-    def _log(self, mode: str, proc) -> None:
+    def _log_path(self, mode: str) -> str | None:
         if self.log_dir is None:
-            return
+            return None
         os.makedirs(self.log_dir, exist_ok=True)
-        with open(os.path.join(self.log_dir, f"vllm_{self.tag}_{mode}.log"), "w") as f:
-            f.write(f"exit {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+        return os.path.join(self.log_dir, f"vllm_{self.tag}_{mode}.log")
 
 
-def _run_group(cmd: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+def _run_group(cmd: list[str], env: dict, timeout_s: float,
+               log: str | None = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own process group; on timeout (``TimeoutExpired``) or interruption kill
-    the whole group: vLLM's engine core is a grandchild that would otherwise keep the GPU."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    the whole group: vLLM's engine core is a grandchild that would otherwise keep the GPU.
+
+    With ``log``, stdout and stderr stream into that file as the run goes (so a run that hangs
+    or is killed still leaves its log) and ``stderr`` of the result is the log's tail."""
+    sink = open(log, "w") if log else None
     try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except BaseException:   # timeout, or this process being stopped (SIGTERM -> SystemExit)
-        _kill_group(proc.pid)
-        proc.communicate()
-        raise
-    _kill_group(proc.pid)   # a crashed run may leave its engine-core process behind
+        proc = subprocess.Popen(cmd, env=env, stdout=sink or subprocess.PIPE,
+                                stderr=subprocess.STDOUT if sink else subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except BaseException:   # timeout, or this process being stopped (SIGTERM -> SystemExit)
+            _kill_group(proc.pid)
+            proc.communicate()
+            raise
+        finally:
+            if sink:
+                sink.write(f"\n--- exit {proc.returncode}\n")
+        _kill_group(proc.pid)   # a crashed run may leave its engine-core process behind
+    finally:
+        if sink:
+            sink.close()
+    if log:
+        out, err = "", _tail(log)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _tail(path: str, n: int = 6000) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - n))
+        return f.read().decode(errors="replace")
+
+
+def _first_traceback(log: str | None, n: int = 2500) -> str:
+    """The log's first traceback: the engine core's root cause, before vLLM's "see above"."""
+    if not log:
+        return ""
+    with open(log, "rb") as f:
+        text = f.read().decode(errors="replace")
+    at = text.find("Traceback (most recent call last)")
+    return "" if at < 0 else f"\n--- first traceback in {os.path.basename(log)}:\n{text[at:at + n]}"
 
 
 def _kill_group(pgid: int) -> None:

@@ -7,8 +7,9 @@
 * ``identity``: 8-layer model with Llama-3-8B attention shapes and random weights (std 0.02),
   modes of ``VATTN_IDENTITY_MODES`` (default ``stock vattn``), CUDA graphs unless
   ``VATTN_IDENTITY_EAGER=1``; judged by :func:`vattn.conformance.identity.compare`;
-* ``throughput``: Llama-3-8B shape, ``load_format="dummy"``, modes ``stock ceiling vattn`` (or
-  ``VATTN_MODES``) on one of :data:`WORKLOADS`.
+* ``throughput``: Llama-3-8B shape, ``load_format="dummy"``, modes ``stock vattn ceiling`` (or
+  ``VATTN_MODES``; the ceiling last: it is the column to lose if time runs out) on one of
+  :data:`WORKLOADS`.
 
 Each stage writes ``DIR/<stage>[_<workload>].json`` and the engine logs under ``DIR/logs``.
 ``VATTN_CUDAGRAPH_MODE`` (e.g. ``PIECEWISE``) sets vLLM's ``cudagraph_mode`` for every mode alike.
@@ -24,6 +25,9 @@ import subprocess
 import sys
 import time
 
+from .gpu_modes import env_modes as _modes, make_runner as _runner, run_all as _run_all
+from .gpu_report import vmm_summary, waste_per_request
+
 __all__ = ["WORKLOADS", "LLAMA3_8B", "IDENTITY_MODEL", "waste_per_request", "main"]
 
 #: name -> (num prompts, prompt length, new tokens, max_num_seqs) — the issue's workloads
@@ -34,48 +38,6 @@ LLAMA3_8B = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
                  max_position_embeddings=131072)
 IDENTITY_MODEL = dict(LLAMA3_8B, num_hidden_layers=8, intermediate_size=4096, vocab_size=32000,
                       max_position_embeddings=8192)
-_BYTES_PER_TOKEN_8B = 32 * 2 * 8 * 128 * 2   # all layers, K and V, bf16
-
-
-def waste_per_request(mode: str, *, max_model_len: int, shortest: int, metrics: dict | None) -> int:
-    """Worst-case bytes a request of this workload holds but does not use (Llama-3-8B shape).
-
-    ``shortest``: the fewest tokens a request holds (prompt + 1); the ceiling wastes the rest of
-    its ``max_model_len`` block, stock at most 15 tokens of a 16-token block, vattn at most one
-    partly filled page per VA range (the layout's ``worst_waste_bytes``).
-    """
-    if mode == "stock":
-        return 15 * _BYTES_PER_TOKEN_8B                        # a 16-token block, one token used
-    if mode == "ceiling":
-        return (max_model_len - shortest) * _BYTES_PER_TOKEN_8B   # one max_model_len block each
-    return int(((metrics or {}).get("layout") or {}).get("worst_waste_bytes", -1))
-
-
-def _runner(out: str, tag: str, max_num_seqs: int, modes, **engine_args):
-    from vattn.adapters.vllm.conformance import VllmRunner
-    if os.environ.get("VATTN_CUDAGRAPH_MODE"):   # e.g. PIECEWISE, to rule out FULL graphs
-        engine_args["compilation_config"] = {"cudagraph_mode": os.environ["VATTN_CUDAGRAPH_MODE"]}
-    return VllmRunner(device="cuda", max_num_seqs=max_num_seqs, timeout_s=float(os.environ.get(
-        "VATTN_RUN_TIMEOUT", 420)), engine_args=engine_args, modes=tuple(modes),
-        log_dir=os.path.join(out, "logs"), tag=tag)
-
-
-def _modes(env: str, default: str) -> list[str]:
-    return os.environ.get(env, default).split()
-
-
-def _run_all(runner, model, prompts, new_tokens, *, logprobs: int) -> tuple[dict, dict]:
-    results, errors = {}, {}
-    for mode in runner.modes:
-        start = time.perf_counter()
-        try:
-            results[mode] = runner.run(mode, model, prompts, new_tokens, logprobs=logprobs,
-                                       device="cuda", dtype="bfloat16")
-        except Exception as exc:  # record and go on: one failing mode must not hide the others
-            errors[mode] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
-        print(f"[{runner.tag}] {mode}: {'ok' if mode in results else 'FAILED'} "
-              f"({time.perf_counter() - start:.0f} s incl. engine start)", flush=True)
-    return results, errors
 
 
 def stage_check(args) -> dict:
@@ -85,7 +47,7 @@ def stage_check(args) -> dict:
     visible = any(v.startswith("vattn.adapters.vllm.plugin") for v in eps)
     # in a child: importing vLLM's FA backend initializes CUDA, which this process must not hold
     code = "import vattn.adapters.vllm.backend_gpu, vattn.adapters.vllm.gpu_hooks as h; h.install_gpu()"
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
     return {"vllm": vllm_version(), "family": check_version(), "entry_points": eps,
             "plugin_visible": visible, "gpu_modules_import": child.returncode == 0,
             "import_error": child.stderr[-3000:] if child.returncode else None,
@@ -93,21 +55,26 @@ def stage_check(args) -> dict:
 
 
 def stage_smoke(args) -> dict:
+    from vattn.conformance.identity import compare
     from vattn.conformance.models import build_model, random_prompts
     check = stage_check(args)
     if not check["ok"]:
-        return {"ok": False, "check": check, "errors": {"check": "entry point not visible (install "
-                "vattn or put a dist-info shim on PYTHONPATH) or GPU modules failed to import"}}
+        why = (f"GPU modules failed to import:\n{check['import_error']}" if check["import_error"] else
+               f"vattn's vllm.general_plugins entry point is not visible (found {check['entry_points']}):"
+               " install vattn or put a dist-info shim on PYTHONPATH")
+        return {"ok": False, "check": check, "errors": {"check": why}}
     model = build_model("tiny", os.path.join(args.models, "tiny-bf16"), seed=3, dtype="bfloat16",
                         device="cpu")
     prompts = random_prompts(6, [5, 17, 40, 64, 90, 130], vocab_size=1024, seed=11)
     runner = _runner(args.out, "smoke", 4, ("stock", "vattn"), enforce_eager=True,
                      gpu_memory_utilization=0.25)
-    results, errors = _run_all(runner, model, prompts, 8, logprobs=0)
-    exact = "stock" in results and "vattn" in results and \
-        results["stock"].token_ids == results["vattn"].token_ids
-    return {"ok": exact and not errors, "check": check, "exact": exact, "errors": errors,
-            "tokens": {m: r.token_ids for m, r in results.items()},
+    results, errors = _run_all(runner, model, prompts, 8, logprobs=5)
+    same = None
+    if "stock" in results and "vattn" in results:   # exact expected; a near-tie is not a failure
+        cmp = compare(results["stock"], results["vattn"]).to_dict()
+        same = {k: cmp[k] for k in ("ok", "exact", "token_match_rate", "near_ties", "mismatches")}
+    return {"ok": bool(same and same["ok"]) and not errors, "check": check, "vs_stock": same,
+            "errors": errors, "tokens": {m: r.token_ids for m, r in results.items()},
             "vattn_metrics": results["vattn"].extra.get("vattn_metrics") if "vattn" in results else None}
 
 
@@ -143,7 +110,7 @@ def stage_throughput(args) -> dict:
     num, plen, new, seqs = WORKLOADS[args.workload]
     model = _config_only_model(os.path.join(args.models, "llama3-8b-dummy"))
     prompts = random_prompts(num, plen, vocab_size=LLAMA3_8B["vocab_size"], seed=7)
-    runner = _runner(args.out, args.workload, seqs, _modes("VATTN_MODES", "stock ceiling vattn"),
+    runner = _runner(args.out, args.workload, seqs, _modes("VATTN_MODES", "stock vattn ceiling"),
                      load_format="dummy", max_num_batched_tokens=16384)
     results, errors = _run_all(runner, model, prompts, new, logprobs=0)
     report = {"workload": args.workload, "shape": [num, plen, new, seqs], "errors": errors,
@@ -156,20 +123,8 @@ def stage_throughput(args) -> dict:
                 "worst_waste_MiB_per_request": waste_per_request(
                     mode, max_model_len=max_len, shortest=plen + 1, metrics=metrics) / 2**20}
         if metrics:
-            row["vmm_critical_path"] = _vmm_summary(metrics)
+            row["vmm_critical_path"] = vmm_summary(metrics)
     return report
-
-
-def _vmm_summary(m: dict) -> dict:
-    """Host time vattn spent on the step's critical path, from the core's metrics."""
-    def total_ms(h):
-        return round((h or {}).get("mean_us", 0) * (h or {}).get("count", 0) / 1e3, 2)
-    return {"apply_total_ms": total_ms(m.get("apply_step_us")),
-            "apply_p99_us": (m.get("apply_step_us") or {}).get("p99_us"),
-            "ensure_total_ms": total_ms(m.get("ensure_us")), "map_total_ms": total_ms(m.get("map_page_us")),
-            "pages_mapped_on_demand": m.get("pages_mapped_on_demand"), "unmap_calls": m.get("unmap_calls"),
-            "fence_waits": m.get("fence_waits"), "warm_hits": m.get("warm_hits"),
-            "pool_init_s": m.get("init_s"), "layout": m.get("layout")}
 
 
 def _free_cuda() -> None:
@@ -210,12 +165,21 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     signal.signal(signal.SIGTERM, _stop)   # `timeout` stops us: still kill the engine processes
     start = time.perf_counter()
-    report = _STAGES[args.stage](args)
+    try:
+        report = _STAGES[args.stage](args)
+    except BaseException as exc:   # incl. SystemExit from SIGTERM: still leave a JSON behind
+        import traceback
+        report = {"ok": False, "errors": {"stage": f"{type(exc).__name__}: {exc}"},
+                  "traceback": traceback.format_exc()[-4000:]}
     report["stage_s"] = round(time.perf_counter() - start, 1)
     name = args.stage + (f"_{args.workload}" if args.stage == "throughput" else "")
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(report, f, indent=1, default=repr)
-    print(json.dumps({k: v for k, v in report.items() if k not in ("tokens",)}, default=repr)[:4000])
+    # short: vllm.sh's summary keeps this output's last 2500 characters (the JSON has it all)
+    print(json.dumps({k: v for k, v in report.items() if k not in ("tokens", "errors", "traceback",
+                                                                   "check")}, default=repr)[:1200])
+    for name, error in (report.get("errors") or {}).items():
+        print(f"--- {name}: {str(error)[-900:]}")
     return 0 if report.get("ok") else 1
 
 

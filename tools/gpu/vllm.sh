@@ -29,10 +29,21 @@ D=$S/vattn_gpu_shim-0.dist-info; mkdir -p "$D"
 printf 'Metadata-Version: 2.1\nName: vattn-gpu-shim\nVersion: 0\n' > "$D/METADATA"
 printf '[vllm.general_plugins]\nvattn = vattn.adapters.vllm.plugin:register\n' > "$D/entry_points.txt"
 export PYTHONPATH="$S:${PYTHONPATH:-}"
-export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
+  PYTHONUNBUFFERED=1
 export VATTN_MODELS=${VATTN_MODELS:-/tmp/vattn-models}
 
-pack() { tar -czf "$OUT/vllm_results.tgz" -C "$W" vllm 2>/dev/null; cp "$SUM" "$OUT/vllm_summary.txt"; }
+# pack: tar to a private name, then rename, so the background packer and a stage's pack never
+# leave a half-written tgz; the packer refreshes it every 30 s, so a run killed from outside
+# (the device call's own limit) still returns the logs of the stage it was in
+pack() {
+  local tmp=$W/pack.$BASHPID.tgz
+  tar -czf "$tmp" -C "$W" vllm 2>/dev/null; mv -f "$tmp" "$OUT/vllm_results.tgz"
+  cp "$SUM" "$OUT/vllm_summary.txt.$BASHPID" && mv -f "$OUT/vllm_summary.txt.$BASHPID" "$OUT/vllm_summary.txt"
+}
+( n=0; while [ ! -e "$W/stop" ]; do sleep 1; n=$((n + 1)); [ $((n % 30)) -ne 0 ] || pack; done
+) > /dev/null 2>&1 & PACKER=$!
+trap 'touch "$W/stop"; wait $PACKER 2>/dev/null' EXIT
 
 # run_stage NAME MIN_S MAX_S CMD...: run under `timeout` if at least MIN_S of the budget is left;
 # returns the command's exit status (3 when skipped)
@@ -44,7 +55,8 @@ run_stage() {
   fi
   local lim=$(( left < max ? left : max )) t0=$(date +%s)
   echo "== $name (limit ${lim} s)" | tee -a "$SUM"
-  timeout -k 15 "$lim" "$@" > "$R/$name.out" 2>&1
+  # gpu_run kills a mode that would run past this itself, so the stage still writes its JSON
+  VATTN_STAGE_DEADLINE=$(( t0 + lim - 10 )) timeout -k 15 "$lim" "$@" > "$R/$name.out" 2>&1
   local rc=$?
   echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s$([ $rc -eq 124 ] && echo ' (TIMED OUT)')" | tee -a "$SUM"
   tail -c 2500 "$R/$name.out" >> "$SUM"; echo >> "$SUM"

@@ -151,7 +151,7 @@ def test_throughput_report_has_the_three_columns(monkeypatch, tmp_path):
                "ensure_us": {"mean_us": 20.0, "count": 10}, "pages_mapped_on_demand": 64}
 
     def fake_run_all(runner, model, prompts, new, *, logprobs):
-        assert runner.modes == ("stock", "ceiling", "vattn") and len(prompts) == 8
+        assert runner.modes == ("stock", "vattn", "ceiling") and len(prompts) == 8
         return {m: RunResult([[1] * new] * len(prompts), None, s, 8 * 65536, 8 * new,
                              {"init_s": 50.0, "vattn_metrics": metrics if m == "vattn" else None})
                 for m, s in (("stock", 27.5), ("ceiling", 27.0), ("vattn", 27.2))}, {}

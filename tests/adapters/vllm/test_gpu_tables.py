@@ -130,3 +130,20 @@ def test_kv_view_is_k_and_v_and_store_lands_at_slot_rows():
         assert rt.metrics()["layout"]["worst_waste_bytes"] > 0
     finally:
         rt.close()
+
+
+def test_surplus_of_a_warm_slot_reused_in_the_same_step_is_reclaimable():
+    # vLLM admits 1 + 3 blocks (all 4 it has); the short request took a warm slot holding 3
+    # page-sets, so the long one needs 2 of them back in the same apply()
+    rt, _ = _runtime(num_blocks=5)
+    try:
+        rt.on_blocks(0, 3, new_request=True)
+        rt.apply()
+        warm = rt.slot(0)
+        rt.release(0)
+        rt.on_blocks(1, 1, new_request=True)
+        rt.on_blocks(2, 3, new_request=True)
+        rt.apply()
+        assert rt.slot(1) == warm and rt.cache.mapped_tokens(rt.slot(2)) == 3 * rt.block_size
+    finally:
+        rt.close()
