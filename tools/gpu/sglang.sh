@@ -24,33 +24,13 @@ W=$(mktemp -d); R=$W/sglang; mkdir -p "$R"
 SUM=$R/summary.txt; : > "$SUM"
 START=$(date +%s); BUDGET=${VATTN_BUDGET_S:-530}
 if [ -n "${VATTN_SITE:-}" ]; then export PYTHONPATH="$VATTN_SITE:${PYTHONPATH:-}"; fi
-# the repository root is the package `vattn`; SGLang finds plugins and platforms through package
-# metadata, so a small dist-info next to the link declares vattn's two SGLang entry points
-S=$(mktemp -d); ln -s "$(cd "$(dirname "$0")/../.." && pwd)" "$S/vattn"
-D=$S/vattn_gpu_shim-0.dist-info; mkdir -p "$D"
-printf 'Metadata-Version: 2.1\nName: vattn-gpu-shim\nVersion: 0\n' > "$D/METADATA"
-printf '[sglang.srt.plugins]\nvattn = vattn.adapters.sglang.plugin:register\n\n[sglang.srt.platforms]\nvattn = vattn.adapters.sglang.platform:activate\n' > "$D/entry_points.txt"
-export PYTHONPATH="$S:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 SGLANG_USE_SGL_FA3_KERNEL=1
+. "$(dirname "$0")/engine_lib.sh"
+link_vattn '[sglang.srt.plugins]\nvattn = vattn.adapters.sglang.plugin:register\n\n[sglang.srt.platforms]\nvattn = vattn.adapters.sglang.platform:activate\n'
+export SGLANG_USE_SGL_FA3_KERNEL=1
 unset VATTN_SGLANG   # set per run, for the vattn mode only, by the runner
 
 pack() { tar -czf "$OUT/sglang_results.tgz" -C "$W" sglang 2>/dev/null; cp "$SUM" "$OUT/sglang_summary.txt"; }
 
-# run_stage NAME MIN_S MAX_S CMD...: run under `timeout` if at least MIN_S of the budget is left
-run_stage() {
-  local name=$1 min=$2 max=$3; shift 3
-  local left=$(( BUDGET - ($(date +%s) - START) ))
-  if [ "$left" -lt "$min" ]; then
-    echo "== $name: SKIPPED (needs ${min} s, ${left} s of the budget left)" | tee -a "$SUM"; return 3
-  fi
-  local lim=$(( left < max ? left : max )) t0=$(date +%s)
-  echo "== $name (limit ${lim} s)" | tee -a "$SUM"
-  timeout -k 15 "$lim" "$@" > "$R/$name.out" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s$([ $rc -eq 124 ] && echo ' (TIMED OUT)')" | tee -a "$SUM"
-  tail -c 2500 "$R/$name.out" >> "$SUM"; echo >> "$SUM"
-  pack
-  return $rc
-}
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)'

@@ -22,13 +22,8 @@ W=$(mktemp -d); R=$W/vllm; mkdir -p "$R/logs"   # work files stay out of $OUT: o
 SUM=$R/summary.txt; : > "$SUM"
 START=$(date +%s); BUDGET=${VATTN_BUDGET_S:-530}
 if [ -n "${VATTN_VLLM_SITE:-}" ]; then export PYTHONPATH="$VATTN_VLLM_SITE:${PYTHONPATH:-}"; fi
-# the repository root is the package `vattn`; vLLM finds plugins through package metadata, so a
-# two-line dist-info next to the link declares vattn's vllm.general_plugins entry point
-S=$(mktemp -d); ln -s "$(cd "$(dirname "$0")/../.." && pwd)" "$S/vattn"
-D=$S/vattn_gpu_shim-0.dist-info; mkdir -p "$D"
-printf 'Metadata-Version: 2.1\nName: vattn-gpu-shim\nVersion: 0\n' > "$D/METADATA"
-printf '[vllm.general_plugins]\nvattn = vattn.adapters.vllm.plugin:register\n' > "$D/entry_points.txt"
-export PYTHONPATH="$S:${PYTHONPATH:-}"
+. "$(dirname "$0")/engine_lib.sh"
+link_vattn '[vllm.general_plugins]\nvattn = vattn.adapters.vllm.plugin:register\n'
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
   PYTHONUNBUFFERED=1
 export VATTN_MODELS=${VATTN_MODELS:-/tmp/vattn-models}
@@ -45,24 +40,6 @@ pack() {
 ) > /dev/null 2>&1 & PACKER=$!
 trap 'touch "$W/stop"; wait $PACKER 2>/dev/null' EXIT
 
-# run_stage NAME MIN_S MAX_S CMD...: run under `timeout` if at least MIN_S of the budget is left;
-# returns the command's exit status (3 when skipped)
-run_stage() {
-  local name=$1 min=$2 max=$3; shift 3
-  local left=$(( BUDGET - ($(date +%s) - START) ))
-  if [ "$left" -lt "$min" ]; then
-    echo "== $name: SKIPPED (needs ${min} s, ${left} s of the budget left)" | tee -a "$SUM"; return 3
-  fi
-  local lim=$(( left < max ? left : max )) t0=$(date +%s)
-  echo "== $name (limit ${lim} s)" | tee -a "$SUM"
-  # gpu_run kills a mode that would run past this itself, so the stage still writes its JSON
-  VATTN_STAGE_DEADLINE=$(( t0 + lim - 10 )) timeout -k 15 "$lim" "$@" > "$R/$name.out" 2>&1
-  local rc=$?
-  echo "== $name: rc=$rc in $(( $(date +%s) - t0 )) s$([ $rc -eq 124 ] && echo ' (TIMED OUT)')" | tee -a "$SUM"
-  tail -c 2500 "$R/$name.out" >> "$SUM"; echo >> "$SUM"
-  pack
-  return $rc
-}
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)'
