@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite: core, ops, conformance and adapters in .venv; then each engine that needs
-# its own environment (VATTN_ENGINES, default "vllm"; set it empty to skip them).
+# its own environment (VATTN_ENGINES, default "vllm sglang"; set it empty to skip them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
