@@ -39,8 +39,11 @@ def render_markdown(report: dict) -> str:
             lines.append(f"  - prompt {m['prompt']} position {m['position']}: {m['base']} vs {m['cand']} "
                          f"(gap {m['gap']})")
     if report.get("throughput"):
-        lines += ["## Throughput", "", "| workload | mode | seconds | gen tok/s | total tok/s | ratio |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["## Throughput", ""]
+        if str(report.get("device", "")).startswith("cpu"):
+            lines += ["CPU run: vattn's side uses the per-request reference math of the correctness "
+                      "path, so these times are not a performance claim (GPU numbers: BENCHMARKS.md).", ""]
+        lines += ["| workload | mode | seconds | gen tok/s | total tok/s | ratio |", "|---|---|---|---|---|---|"]
         for name, rows in report["throughput"].items():
             for mode, r in rows.items():
                 lines.append(f"| {name} | {mode} | {r['seconds']} | {r['generated_tok_s']} | "
