@@ -211,7 +211,9 @@ class VirtualKVCache:
             short = lens > self._pages.cap_tokens[slots]
             failed = []
             if short.any():
-                failed = self._ensure_slow(slots[short].tolist(), lens[short].tolist(), set(slots.tolist()))
+                # every listed slot keeps what this call needs; its surplus stays reclaimable
+                need = dict(zip(slots.tolist(), map(self.layout.pages_for, lens.tolist())))
+                failed = self._ensure_slow(slots[short].tolist(), lens[short].tolist(), need)
             keep = ~np.isin(slots, failed) if failed else slice(None)
             ok = slots[keep]
             self._length[ok] = np.maximum(self._length[ok], lens[keep])   # slots are distinct
@@ -219,7 +221,7 @@ class VirtualKVCache:
         self._counters.ensure_us.observe((time.perf_counter() - start) * 1e6)
         return failed
 
-    def _ensure_slow(self, slots: list[int], lens: list[int], protect: set[int]) -> list[int]:
+    def _ensure_slow(self, slots: list[int], lens: list[int], protect: dict[int, int]) -> list[int]:
         failed, exhausted = [], False
         for slot, n in zip(slots, lens):
             ok, exhausted = self._grow(slot, self.layout.pages_for(n), protect, exhausted)
@@ -279,7 +281,7 @@ class VirtualKVCache:
             while self._worker is not None and not self._worker.idle():
                 self._cond.wait()
 
-    def _grow(self, slot: int, num_sets: int, protect: set[int], exhausted: bool) -> tuple[bool, bool]:
+    def _grow(self, slot: int, num_sets: int, protect: dict[int, int], exhausted: bool) -> tuple[bool, bool]:
         """Grow one slot; ``exhausted`` says an earlier reclaim found nothing left to take."""
         while slot in self._inflight:                 # a page we may need is being mapped
             self._cond.wait()
@@ -293,9 +295,9 @@ class VirtualKVCache:
     def reclaim(self, num_pages: int | None = None) -> int:
         """Unmap pages of idle slots (oldest first, fence permitting); returns pages freed."""
         with self._cond:
-            return self._reclaim(num_pages if num_pages is not None else self._pool.num_pages, set())
+            return self._reclaim(num_pages if num_pages is not None else self._pool.num_pages, {})
 
-    def _reclaim(self, want: int, protect: set[int]) -> int:
+    def _reclaim(self, want: int, protect: dict[int, int]) -> int:
         freed = 0
         for block in (False, True):                   # first only finished fences, then wait
             for slot, keep in self._victims(protect):
@@ -310,12 +312,17 @@ class VirtualKVCache:
                 freed += self._pages.trim(slot, keep)
         return freed
 
-    def _victims(self, protect: set[int]) -> list[tuple[int, int]]:
+    def _victims(self, protect: dict[int, int]) -> list[tuple[int, int]]:
+        """``(slot, page-sets to keep)``: idle slots oldest first, then active slots' surplus.
+
+        ``protect`` maps a slot to the page-sets the current call needs it to keep (beyond its
+        own length); only what lies above both may be taken.
+        """
         idle = sorted((s for s in range(self.config.max_slots)
                        if not self._active[s] and s not in self._inflight and self._pages.held(s)),
                       key=lambda s: self._released_at[s])
-        surplus = [(s, self.layout.pages_for(self._length[s])) for s in range(self.config.max_slots)
-                   if self._active[s] and s not in protect and s not in self._inflight]
+        surplus = [(s, max(self.layout.pages_for(self._length[s]), protect.get(s, 0)))
+                   for s in range(self.config.max_slots) if self._active[s] and s not in self._inflight]
         return [(s, 0) for s in idle] + [(s, k) for s, k in surplus if self._pages.held(s) > k * len(self._pages.bases)]
 
     def _reclaimable(self) -> int:

@@ -94,15 +94,7 @@ class GpuRuntime:
             slots = np.fromiter((self._slot[i] for i in indices), dtype=np.int64, count=len(indices))
             lengths = np.fromiter(self._pending.values(), dtype=np.int64, count=len(indices))
             self._pending.clear()
-            # Two calls: ensure() protects every slot it is given from reclaim, so a request that
-            # took a warm slot holding more page-sets than its blocks would keep that surplus out
-            # of reach of a request growing in the same step (vLLM counted it as free).
-            grow = lengths > np.fromiter((self.cache.mapped_tokens(s) for s in slots.tolist()),
-                                         dtype=np.int64, count=len(indices))
-            failed = []
-            for part in (~grow, grow):
-                if part.any():
-                    failed += self.cache.ensure(slots[part], lengths[part])
+            failed = self.cache.ensure(slots, lengths)   # a reused warm slot's surplus stays reclaimable
             if failed:
                 raise VattnError(f"vattn could not map pages for slots {failed} although vLLM "
                                  f"allocated their blocks; capacity: {self.cache.capacity()}")

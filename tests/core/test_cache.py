@@ -89,6 +89,22 @@ def test_out_of_pages_is_reported_not_raised_and_reclaims_idle_first():
         cache.audit()
 
 
+def test_surplus_of_a_slot_in_the_same_call_is_reclaimable():
+    """A warm slot reused for a short request gives up its surplus to a slot growing beside it."""
+    with make_cache(page_budget=24 * (64 << 10), max_context=2000) as cache:      # 11 page-sets
+        per = int(cache.layout.tokens_per_page)
+        a = cache.acquire()
+        assert cache.ensure({a: 10 * per}) == []                  # a holds 10 page-sets
+        cache.release(a)
+        warm = cache.acquire(expected_len=per)                   # best fit: the warm slot a
+        other = cache.acquire()
+        assert warm == a
+        # one call: warm needs 1 set (holds 10), other needs 9 — only reachable through warm's surplus
+        assert cache.ensure({warm: per, other: 9 * per}) == []
+        assert cache.mapped_tokens(other) >= 9 * per and cache.mapped_tokens(warm) >= per
+        cache.audit()
+
+
 def test_reclaim_prefers_finished_fences():
     with make_cache(page_budget=12 * (64 << 10)) as cache:
         per = int(cache.layout.tokens_per_page)

@@ -83,7 +83,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert m["pages_free"] + m["pages_mapped"] == m["pages_total"]
         # the vectorised capacity() agrees with the victim list reclaim() walks
         c = self.cache
-        want = sum(c._pages.held(s) - keep * c.layout.num_ranges for s, keep in c._victims(set()))
+        want = sum(c._pages.held(s) - keep * c.layout.num_ranges for s, keep in c._victims({}))
         assert c.capacity().reclaimable_pages == want
 
 
