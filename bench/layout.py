@@ -74,10 +74,10 @@ def _measure(shape, group, op, batch, ctx, *, dtype, device) -> dict:
         layer = layers // 2
         k, v = cache.k(layer), cache.v(layer)
         st = torch.tensor(slots, device=device)
-        gen = torch.Generator().manual_seed(0)
+        gen = torch.Generator(device=device).manual_seed(0)   # drawn on the device: GBs of KV
         for s in slots:
-            k[s, :ctx] = torch.randn(ctx, hk, dim, generator=gen).to(device, dtype)
-            v[s, :ctx] = torch.randn(ctx, hk, dim, generator=gen).to(device, dtype)
+            k[s, :ctx] = torch.randn(ctx, hk, dim, generator=gen, device=device).to(dtype)
+            v[s, :ctx] = torch.randn(ctx, hk, dim, generator=gen, device=device).to(dtype)
         us, paged = _time_op(op, k, v, st, batch, ctx, hq, dtype, device)
         from vattn.core import layout_report
         rep = layout_report(num_layers=layers, num_kv_heads=hk, head_dim=dim, dtype=dtype,

@@ -196,6 +196,37 @@ class VirtualKVCache:
                 self._worker.jobs.pop(slot, None)
 
     # -- paging ------------------------------------------------------------------------------------
+    def prewarm(self, tokens_per_slot: int | None = None) -> int:
+        """Map page-sets to the idle slots now, so the requests that take them start warm.
+
+        Every idle slot is topped up to ``tokens_per_slot`` (default: an even share of the free
+        pool over the idle slots), until the pool runs out. The pages stay reclaimable like any
+        warm slot's (:meth:`reclaim`, or a slot that needs more). For engines whose pool is sized
+        up front (vLLM, SGLang): the mapping then happens once, at start, instead of on the step's
+        critical path. Returns the pages mapped.
+
+        Raises
+        ------
+        ContextLengthError
+            ``tokens_per_slot`` exceeds ``max_context``.
+        """
+        self._check_open()
+        if tokens_per_slot is not None:
+            self._check_length(tokens_per_slot)
+        with self._cond:
+            idle = [s for s in range(self.config.max_slots) if not self._active[s] and s not in self._inflight]
+            if not idle:
+                return 0
+            ranges = len(self._pages.bases)
+            sets = (self._pool.num_free // (ranges * len(idle)) if tokens_per_slot is None else
+                    self.layout.pages_for(tokens_per_slot))
+            sets = min(sets, self.layout.pages_per_slot)   # a slot's region holds no more
+            before = self._pool.num_free
+            for slot in idle:
+                if not self._pages.grow(slot, sets, self._tenant[slot], ahead=True):
+                    break
+            return before - self._pool.num_free
+
     def ensure(self, lengths, lengths_seq=None) -> list[int]:
         """Map pages so every listed slot holds its length; return the slots that could not grow.
 

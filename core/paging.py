@@ -66,6 +66,9 @@ class SlotPages:
         DriverError
             A VMM call failed; the record stays exact and the call can be retried.
         """
+        if not 0 <= num_sets <= self.layout.pages_per_slot:   # beyond: another slot's region
+            raise ValueError(f"slot {slot} can hold at most {self.layout.pages_per_slot} page-sets, "
+                             f"asked to grow to {num_sets}")
         need = self.missing(slot, num_sets)
         if need > self.pool.num_free:
             return False

@@ -27,7 +27,9 @@ def vmm_summary(m: dict) -> dict:
         return round((h or {}).get("mean_us", 0) * (h or {}).get("count", 0) / 1e3, 2)
     return {"apply_total_ms": total_ms(m.get("apply_step_us")),
             "apply_p99_us": (m.get("apply_step_us") or {}).get("p99_us"),
-            "ensure_total_ms": total_ms(m.get("ensure_us")), "map_total_ms": total_ms(m.get("map_page_us")),
-            "pages_mapped_on_demand": m.get("pages_mapped_on_demand"), "unmap_calls": m.get("unmap_calls"),
+            "ensure_total_ms": total_ms(m.get("ensure_us")), "map_incl_prewarm_ms": total_ms(m.get("map_page_us")),
+            "on_blocks_total_ms": total_ms(m.get("on_blocks_us")),
+            "pages_mapped_on_demand": m.get("pages_mapped_on_demand"),
+            "pages_prewarmed": m.get("prewarmed_pages"), "unmap_calls": m.get("unmap_calls"),
             "fence_waits": m.get("fence_waits"), "warm_hits": m.get("warm_hits"),
             "pool_init_s": m.get("init_s"), "layout": m.get("layout")}

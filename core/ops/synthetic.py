@@ -30,10 +30,22 @@ def group_views(*, slots: int, rows_per_slot: int, group_size: int, kv_heads: in
     return storage[:, :, layer, 0], storage[:, :, layer, 1], storage
 
 
+_FILL_CHUNK = 1 << 26   # elements drawn per float32 temporary (256 MiB)
+
+
 def _randn(shape, dtype, device, generator):
+    """Standard-normal ``shape`` in ``dtype``: drawn in float32, then cast, so a seed gives the
+    same values for every dtype. Drawn where ``generator`` lives (CPU when none is given; a
+    generator on the target device keeps multi-GB benchmark fills off the host), in chunks
+    along dim 0 so the float32 temporary stays small."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    # fill in float32 then cast, so the same seed gives the same data for every dtype
-    return out.copy_(torch.randn(shape, generator=generator, dtype=torch.float32).to(device))
+    src = generator.device if generator is not None else torch.device("cpu")
+    flat = out.view(out.shape[0], -1) if out.dim() > 1 else out.view(-1, 1)
+    step = max(1, _FILL_CHUNK // max(1, flat.shape[1]))
+    for start in range(0, flat.shape[0], step):
+        part = flat[start:start + step]
+        part.copy_(torch.randn(part.shape, generator=generator, dtype=torch.float32, device=src))
+    return out
 
 
 @dataclass

@@ -213,3 +213,48 @@ def test_churn_under_map_ahead_reads_back_exactly(device):
             assert torch.equal(got, want[s])
         cache.audit()
         assert cache.metrics()["pages_mapped_ahead"] > 0
+
+
+def test_prewarm_maps_an_even_share_that_requests_then_use_without_driver_calls():
+    with make_cache(page_budget=24 * (64 << 10), max_context=2000) as cache:   # padding + 11 page-sets
+        ranges = cache.layout.num_ranges
+        mapped = cache.prewarm()
+        per_slot = 11 // cache.config.max_slots                                 # 6 slots -> 1 set each
+        assert mapped == per_slot * ranges * cache.config.max_slots
+        assert cache.metrics()["pages_mapped_ahead"] == mapped
+        calls = cache.metrics()["map_calls"]
+        a = cache.acquire(expected_len=10)
+        assert cache.metrics()["warm_hits"] == 1
+        assert cache.ensure({a: cache.mapped_tokens(a)}) == []
+        assert cache.metrics()["map_calls"] == calls                              # nothing mapped now
+        # a slot that needs more than its share takes idle slots' warm pages (and the free rest)
+        per = int(cache.layout.tokens_per_page)
+        assert cache.ensure({a: 9 * per}) == [] and cache.mapped_tokens(a) >= 9 * per
+        assert cache.metrics()["pages_reclaimed"] > 0
+        cache.audit()
+
+
+def test_prewarm_tops_up_to_a_length_and_checks_it():
+    with make_cache() as cache:
+        cache.prewarm(100)
+        assert all(cache.mapped_tokens(s) >= 100 for s in range(cache.config.max_slots))
+        assert cache.prewarm(100) == 0                                            # already there
+        with pytest.raises(ContextLengthError):
+            cache.prewarm(cache.config.max_context + 1)
+        for s in range(cache.config.max_slots):
+            cache.acquire()
+        assert cache.prewarm() == 0                                               # no idle slot
+        cache.audit()
+
+
+def test_prewarm_never_maps_past_a_slot_region():
+    """A pool far larger than slots x region: each slot is filled to its region, no further."""
+    with make_cache(max_context=100, page_budget=200 * (64 << 10)) as cache:
+        per_slot = cache.layout.pages_per_slot
+        mapped = cache.prewarm()
+        assert mapped == per_slot * cache.layout.num_ranges * cache.config.max_slots
+        for s in range(cache.config.max_slots):
+            assert cache._pages.usable(s) == per_slot
+        cache.audit()
+        with pytest.raises(ValueError, match="at most"):
+            cache._pages.grow(0, per_slot + 1, None, ahead=False)

@@ -57,3 +57,33 @@ def test_paged_copy_holds_the_same_rows():
         got = pk.k[pk.block_table[i].long()].reshape(-1, 2, 8)[:40]
         assert torch.equal(got, k[s, :40])
         assert torch.equal(pk.v[pk.block_table[i].long()].reshape(-1, 2, 8)[:40], v[s, :40])
+
+
+def test_bench_attention_budget_leaves_shapes_out_and_says_so(tmp_path):
+    args = _args(attention, ["--models", "yi-6b", "--contexts", "33,65", "--batches", "1,3",
+                             "--prefill-contexts", "17", "--dtype", "fp32", "--device", "cpu",
+                             "--no-report", "--out", str(tmp_path), "--budget-s", "0"])
+    assert attention.run(args) == 0
+    data = json.loads((tmp_path / "attention.json").read_text())
+    assert len(data["results"]) == 1                       # the first shape starts, no other
+    assert data["results"][0]["op"] == "prefill"             # prefill shapes come first
+    assert data["left_out"][0] == "decode yi-6b B=1 ctx=33" and len(data["left_out"]) == 4
+    assert (tmp_path / "attention.rows.jsonl").read_text().count("\n") == 1
+    assert "Not measured" in (tmp_path / "attention.md").read_text()
+
+
+def _row(op, backend, ctx, batch, ratio, hbm=None):
+    return {"op": op, "backend": backend, "context": ctx, "batch": batch, "model": "m",
+            "ratio_same_kernel": ratio, "%HBM": hbm}
+
+
+def test_targets_report_misses_by_how_much():
+    rows = [_row("decode", "vllm_fa3", 8192, 16, 0.98), _row("decode", "vllm_fa3", 1024, 1, 1.02),
+            _row("prefill", "vllm_fa3", 16384, 1, 1.12), _row("prefill", "vllm_fa3", 32768, 1, 1.05),
+            _row("prefill", "vllm_fa3", 4096, 1, 0.5),
+            _row("decode", "triton", 8192, 64, None, hbm=90.0), _row("decode", "triton", 1024, 1, None, hbm=5.0)]
+    text = attention.targets(rows)
+    assert "1 below 1.00×" in text and "missed by 2.0 %" in text and "B=16 ctx=8192" in text
+    assert "1.050–1.120×" in text and "missed by 5.0 points" in text     # 4K prefill not counted
+    assert "90–90 % of copy bandwidth over 1 shapes (target ≥ 85 % met)" in text
+    assert "met" in attention.targets([_row("decode", "vllm_fa3", 8, 1, 1.0)])

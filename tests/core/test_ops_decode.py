@@ -30,14 +30,16 @@ def naive_decode(q, k, v, slots, seqlens, scale):
 
 def _data(batch, lens, kv_heads, gqa, dtype, device, dim=40, rows=1536):
     g = torch.Generator().manual_seed(batch * 31 + gqa)
+    # tensors drawn where they live: on a GPU, filling GBs on the host would dominate the test
+    gt = g if torch.device(device).type == "cpu" else torch.Generator(device=device).manual_seed(batch * 31 + gqa)
     lens = lens or torch.randint(1, rows + 1, (batch,), generator=g).tolist()
     num_slots = 3 * batch + 2
     slots = torch.randperm(num_slots, generator=g)[:batch].tolist()
     slots[-1] = num_slots - 1                                   # far apart: first and last slots
     k, v, keep = group_views(slots=num_slots, rows_per_slot=rows, group_size=2, kv_heads=kv_heads,
-                             head_dim=dim, dtype=dtype, device=device, layer=1, generator=g)
+                             head_dim=dim, dtype=dtype, device=device, layer=1, generator=gt)
     qb = make_decode_batch(slots=slots, seqlens=lens, q_heads=kv_heads * gqa, head_dim=dim,
-                           dtype=dtype, device=device, generator=g)
+                           dtype=dtype, device=device, generator=gt)
     return k, v, keep, qb
 
 

@@ -32,15 +32,17 @@ def naive_prefill(q, k, v, cu, slots, k_lens, scale, causal=True):
 
 def _data(q_lens, k_lens, kv_heads, gqa, dtype, device, dim=40, rows=1536):
     g = torch.Generator().manual_seed(len(q_lens) * 7 + gqa)
+    # tensors drawn where they live: on a GPU, filling GBs on the host would dominate the test
+    gt = g if torch.device(device).type == "cpu" else torch.Generator(device=device).manual_seed(len(q_lens) * 7 + gqa)
     if k_lens is None:
         k_lens = [n + int(torch.randint(0, 300, (1,), generator=g)) for n in q_lens]
     num_slots = 2 * len(q_lens) + 3
     slots = torch.randperm(num_slots, generator=g)[:len(q_lens)].tolist()
     slots[0] = num_slots - 1
     k, v, keep = group_views(slots=num_slots, rows_per_slot=rows, group_size=3, kv_heads=kv_heads,
-                             head_dim=dim, dtype=dtype, device=device, layer=2, generator=g)
+                             head_dim=dim, dtype=dtype, device=device, layer=2, generator=gt)
     pb = make_prefill_batch(slots=slots, q_lens=q_lens, k_lens=k_lens, q_heads=kv_heads * gqa,
-                            head_dim=dim, dtype=dtype, device=device, generator=g)
+                            head_dim=dim, dtype=dtype, device=device, generator=gt)
     return k, v, keep, pb
 
 

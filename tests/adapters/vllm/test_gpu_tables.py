@@ -82,11 +82,11 @@ def test_runtime_maps_one_page_set_per_block_and_releases():
         rt.on_blocks(0, 3, new_request=True)
         rt.apply()
         s2, s0 = rt.slot(2), rt.slot(0)
-        assert rt.cache.mapped_tokens(s2) == block and rt.cache.mapped_tokens(s0) == 3 * block
+        assert rt.cache.mapped_tokens(s2) >= block and rt.cache.mapped_tokens(s0) >= 3 * block   # >=: pre-warmed
         assert rt.tables._slot_dev[[2, 0]].tolist() == [s2, s0]
         rt.on_blocks(2, 2, new_request=False)
         rt.apply()
-        assert rt.cache.mapped_tokens(s2) == 2 * block
+        assert rt.cache.mapped_tokens(s2) >= 2 * block
         rt.release(0)
         assert rt.slot(0) is None and rt.tables.slot_of_index[0] == rt.cache.padding_slot
         rt.on_blocks(1, 3, new_request=True)           # the warm slot that fits best comes back
@@ -144,6 +144,26 @@ def test_surplus_of_a_warm_slot_reused_in_the_same_step_is_reclaimable():
         rt.on_blocks(1, 1, new_request=True)
         rt.on_blocks(2, 3, new_request=True)
         rt.apply()
-        assert rt.slot(1) == warm and rt.cache.mapped_tokens(rt.slot(2)) == 3 * rt.block_size
+        # whichever slot each took (all start pre-warmed), both hold what vLLM gave them
+        assert rt.cache.mapped_tokens(rt.slot(2)) >= 3 * rt.block_size
+        assert rt.cache.mapped_tokens(rt.slot(1)) >= rt.block_size and warm in (rt.slot(1), rt.slot(2))
+        rt.cache.audit()
+    finally:
+        rt.close()
+
+
+def test_runtime_prewarms_every_slot_within_its_region_when_the_pool_is_larger():
+    # vLLM sizes its pool from free memory: it can hold far more blocks than slots x max_model_len
+    rt, block = _runtime(num_blocks=60, reqs=3, max_len=4000)
+    try:
+        per_slot = rt.cache.layout.pages_per_slot
+        assert rt.prewarmed_pages == per_slot * rt.cache.layout.num_ranges * 3
+        before = rt.cache.metrics()["map_calls"]                         # incl. the padding slot's
+        rt.on_blocks(0, per_slot, new_request=True)
+        rt.apply()
+        m = rt.cache.metrics()
+        assert m["map_calls"] == before and m["warm_hits"] == 1            # no VMM call in the step
+        assert rt.metrics()["on_blocks_us"]["count"] == 1
+        rt.cache.audit()
     finally:
         rt.close()
