@@ -86,6 +86,10 @@ class VattnMHATokenToKVPool(MHATokenToKVPool):
         self.vattn_cache = cache
         self.rows_per_slot = cache.layout.rows_per_slot
         self._hold_pad_slot(cache)
+        # SGLang sizes its token pool up front: map it now, an even share per slot, so admitting
+        # a request reuses warm pages instead of mapping on the step's critical path (the pages
+        # stay reclaimable, so the physical available size below is unchanged)
+        self.prewarmed_pages = cache.prewarm()
         cap = cache.capacity()
         #: requests the cache can hold at once: its slots, and physically (one page-set each)
         self.max_requests = cfg.max_slots - 1

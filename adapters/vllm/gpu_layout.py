@@ -94,8 +94,10 @@ def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
     may hand out. The background map-ahead is off: vLLM asks for each block just in time, and
     pages mapped ahead would be pages the scheduler believes are free; instead the runtime
     pre-warms every slot with an even share of the pool at start (see
-    :meth:`~vattn.core.cache.VirtualKVCache.prewarm`). ``scrub="never"``: like stock vLLM, a
-    block is reused without zeroing (attention never reads past a request's length).
+    :meth:`~vattn.core.cache.VirtualKVCache.prewarm`). Scrubbing stays the core's ``"tenant"``
+    policy with one tenant: a page is zeroed once, when first mapped (stock vLLM allocates its
+    pool with ``torch.zeros``; FA3 reads whole tiles, so a page must never hold NaN garbage), and
+    not again when a slot is reused; with the pre-warm that zeroing happens at start.
     """
     group = group_size_for(num_layers) if group_size is None else group_size
     block = tokens_per_page(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, group_size=group)
@@ -104,7 +106,7 @@ def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
     return KVCacheConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          dtype=dtype, max_slots=max_num_reqs, max_context=max_context,
                          group_size=group, page_budget=num_blocks * page_set, page_bytes=PAGE_BYTES,
-                         device=device, map_ahead_tokens=0, scrub="never")
+                         device=device, map_ahead_tokens=0)
 
 
 def check_engine_config(vllm_config) -> None:

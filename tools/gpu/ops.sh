@@ -2,7 +2,8 @@
 # GPU checks of vattn.core.ops on one H200 (~12 minutes with every stage: split it over two calls
 # with VATTN_STAGES, e.g. "tests" then "attention flex layout"). From the repository root:
 #   OUT=/some/dir [VATTN_STAGES="tests attention flex layout"] [GROUP=4] bash tools/gpu/ops.sh
-# vLLM 0.26.0 staged on PYTHONPATH adds the FA3/FA2 kernels and their paged baselines.
+# vLLM 0.26.0 staged on PYTHONPATH adds the FA3/FA2 kernels and their paged baselines. Run the tests
+# alone on the GPU: beside vLLM engines (sharing the host CPUs) they ran past their limit.
 # Writes $OUT/ops_results.tgz (env, test logs + junit, attention/layout json/md/png, BENCHMARKS.md).
 set -uo pipefail
 OUT=${OUT:-$(mktemp -d)}

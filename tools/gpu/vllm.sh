@@ -11,10 +11,10 @@
 #                    when less than its minimum time is left
 #   VATTN_MODES / VATTN_IDENTITY_MODES / VATTN_IDENTITY_EAGER / VATTN_GROUP_SIZE /
 #   VATTN_CUDAGRAPH_MODE (e.g. PIECEWISE, all modes alike): see adapters/vllm/gpu_run.py
-# Expected on an H200 (engine start ~55 s for the 8B shape with torch.compile + CUDA graphs):
-#   smoke ~1.5 min, identity ~2.5 min, decode-heavy ~4.5 min, prefill-heavy ~4.5 min,
-#   long-context ~5.5 min -> call 1: defaults; call 2: VATTN_STAGES=throughput
-#   VATTN_WORKLOADS=prefill-heavy; call 3: VATTN_STAGES=throughput VATTN_WORKLOADS=long-context.
+# Measured on the H200 (2026-12-03; engine start 40-60 s for the 8B shape with torch.compile +
+# CUDA graphs): smoke 143 s, identity ~140 s (two modes), decode-heavy ~75 s per mode, prefill-heavy
+# ~80 s per mode -> call 1: VATTN_STAGES="identity throughput" (decode-heavy); call 2:
+# VATTN_STAGES=throughput VATTN_WORKLOADS="prefill-heavy long-context" (each call < 10 minutes).
 # Results: $OUT/vllm_results.tgz (JSON per stage, engine logs) and $OUT/vllm_summary.txt.
 set -u
 OUT=${OUT:-/tmp/vattn-out}; mkdir -p "$OUT"

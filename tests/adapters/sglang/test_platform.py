@@ -74,6 +74,9 @@ def test_configurator_chooses_vattn_pool_and_allocator(configure_pools):
     assert cfg.max_context == r2t.max_context_len               # req_to_token row length
     assert pool.max_requests >= r2t.size                         # --max-running-requests 3
     assert alloc.size == 512 and alloc.available_size() == 512   # SGLang's idle leak check holds
+    # the pool was pre-warmed (every slot's share mapped at start) and that changed no size above
+    assert pool.prewarmed_pages > 0
+    assert pool.vattn_cache.metrics()["pages_mapped_ahead"] == pool.prewarmed_pages
 
 
 def test_configurator_without_vattn_platform_chooses_stock(configure_pools):
