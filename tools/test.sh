@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 bash tools/setup.sh
 .venv/bin/python -m pytest "$@"
 echo "== Triton kernels on the CPU interpreter"
-TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/core -k interpreter
+TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/core tests/adapters/vllm/test_gpu_tables.py -k interpreter
 for engine in ${VATTN_ENGINES-vllm sglang}; do
   echo "== $engine tests in their own environment"
   bash "tools/engine_env.sh" "$engine"

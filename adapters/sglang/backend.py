@@ -12,6 +12,13 @@ Op backends: ``"sdpa"`` runs SGLang ``torch_native``'s exact SDPA call on the sl
 
 ``init_forward_metadata`` is host-side (may synchronize); ``forward_*`` launch only the store
 and the attention op (the ``"sdpa"`` path also reads lengths on the host).
+
+Decode CUDA graphs (SGLang's decode graph runner): ``init_cuda_graph_state`` allocates persistent
+``slots`` / ``seqlens`` buffers; ``init_forward_metadata_out_graph`` (before capture and before
+every replay, eager) writes the batch into them, padding rows -> the pad slot (always mapped; their
+stale ``req_pool_indices`` could name a slot whose pages were reclaimed); the captured op reads the
+buffers with ``max_seqlen_k`` = the slot length, fixed at capture. ``init_forward_metadata``
+(eager steps) stays independent of these buffers.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from vattn.core import ops
 from vattn.core.errors import ConfigError, UnsupportedError
 
+from .pool import PAD_SLOT
 from .sdpa import decode_sdpa, extend_sdpa
 
 
@@ -73,11 +81,49 @@ class VattnAttnBackend(AttentionBackend):
             op_backend = "sdpa"
         self.op_backend = op_backend
         self.forward_metadata: VattnMetadata | None = None
+        self._graph_slots: torch.Tensor | None = None     # decode CUDA graphs: persistent inputs
+        self._graph_seqlens: torch.Tensor | None = None
+
+    def _slots(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        first = self.req_to_token[req_pool_indices.long(), 0].long()
+        return torch.div(first, self.rows_per_slot, rounding_mode="floor").to(torch.int32)
+
+    # -- decode CUDA graphs ------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Persistent per-row inputs of the captured decode graphs (``max_bs`` rows)."""
+        if self.op_backend == "sdpa":
+            raise UnsupportedError("vattn backend: CUDA graphs need a vattn.core.ops op backend, not "
+                                   "'sdpa' (it reads lengths on the host)")
+        self._graph_slots = torch.full((max_bs,), PAD_SLOT, dtype=torch.int32, device=self.device)
+        self._graph_seqlens = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1      # padding rows read one row of the pad slot
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Before capture / replay: write the batch into the persistent buffers (eager ops)."""
+        if self._graph_slots is None:
+            raise ConfigError("vattn backend: init_cuda_graph_state was not called before capture")
+        if not forward_batch.forward_mode.is_decode():
+            raise UnsupportedError(f"vattn backend: CUDA graphs for {forward_batch.forward_mode} "
+                                   "are not supported (decode only; run prefill eagerly)")
+        bs = int(forward_batch.batch_size)
+        if bs > self._graph_slots.numel():
+            raise ConfigError(f"vattn backend: graph batch {bs} exceeds max_bs={self._graph_slots.numel()}")
+        real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
+        self._graph_slots[:real].copy_(self._slots(forward_batch.req_pool_indices[:real]))
+        self._graph_slots[real:bs].fill_(PAD_SLOT)
+        self._graph_seqlens[:bs].copy_(forward_batch.seq_lens[:bs])
+        self._graph_seqlens[real:bs].clamp_(max=1)     # the pad slot maps its first page only
+        self.forward_metadata = VattnMetadata(self._graph_slots[:bs], self._graph_seqlens[:bs], None,
+                                              1, self.rows_per_slot)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        """Nothing to record: the captured op reads the buffers written before each replay."""
 
     def init_forward_metadata(self, forward_batch) -> None:
         """Host-side: slots, key lengths and q offsets of this batch."""
-        first = self.req_to_token[forward_batch.req_pool_indices.long(), 0].long()
-        slots = torch.div(first, self.rows_per_slot, rounding_mode="floor").to(torch.int32)
+        slots = self._slots(forward_batch.req_pool_indices)
         seqlens = forward_batch.seq_lens.to(torch.int32)
         max_k = _host_max(forward_batch.seq_lens_cpu, forward_batch.seq_lens)
         cu_q, max_q = None, 1

@@ -37,7 +37,7 @@ class SglangRunner:
     Parameters
     ----------
     modes : tuple of str
-        Subset of ``("stock", "stock-eager", "vattn")``; the first is the baseline.
+        Subset of ``("stock", "stock-eager", "vattn", "vattn-eager")``; the first is the baseline.
     engine_args : dict, optional
         Extra ``sglang.Engine`` keyword arguments for every mode (e.g. ``load_format="dummy"``,
         ``max_running_requests``, ``context_length``, ``mem_fraction_static``).
@@ -90,7 +90,7 @@ class SglangRunner:
             json.dump(spec, f)
         env = dict(os.environ, SGLANG_USE_SGL_FA3_KERNEL="1")
         env.pop("VATTN_SGLANG", None)
-        if mode == "vattn":
+        if mode.startswith("vattn"):
             env["VATTN_SGLANG"] = "1"
         cmd = [sys.executable, "-m", "vattn.adapters.sglang.engine_run", base + ".spec.json",
                base + ".out.json"]

@@ -8,9 +8,9 @@ keyword arguments). ``OUT`` (JSON): :class:`~vattn.conformance.protocol.RunResul
 
 Both modes: ``page_size=16``, radix cache off, ``sampling_backend="pytorch"``, greedy,
 ``ignore_eos``. ``stock``: ``--attention-backend fa3`` with CUDA graphs (SGLang's default);
-``stock-eager``: the same without CUDA graphs; ``vattn``: ``--attention-backend vattn`` without
-CUDA graphs (the vattn backend has no CUDA-graph capture hooks yet). Timing: a short warm-up
-generate first, then one timed ``generate`` of all prompts.
+``stock-eager``: the same without CUDA graphs; ``vattn``: ``--attention-backend vattn`` with
+SGLang's decode CUDA graphs (the backend's graph hooks); ``vattn-eager``: vattn without CUDA graphs.
+Timing: a short warm-up generate first, then one timed ``generate`` of all prompts.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import os
 import sys
 import time
 
-MODES = ("stock", "stock-eager", "vattn")
-_BACKEND = {"stock": "fa3", "stock-eager": "fa3", "vattn": "vattn"}
+MODES = ("stock", "stock-eager", "vattn", "vattn-eager")
+_BACKEND = {"stock": "fa3", "stock-eager": "fa3", "vattn": "vattn", "vattn-eager": "vattn"}
 
 
 def engine_kwargs(mode: str, model_path: str, extra: dict) -> dict:
@@ -31,7 +31,7 @@ def engine_kwargs(mode: str, model_path: str, extra: dict) -> dict:
     kw = dict(model_path=model_path, attention_backend=_BACKEND[mode], page_size=16,
               disable_radix_cache=True, sampling_backend="pytorch", skip_tokenizer_init=True,
               dtype="bfloat16", log_level="error", random_seed=0)
-    if mode != "stock":
+    if mode.endswith("-eager"):
         kw["disable_cuda_graph"] = True
     kw.update(extra)
     return kw
@@ -59,7 +59,7 @@ def run(spec: dict) -> dict:
     """Start the engine, warm up, time one generate; return the RunResult fields as a dict."""
     import sglang
 
-    if spec["mode"] == "vattn" and os.environ.get("VATTN_SGLANG") != "1":
+    if spec["mode"].startswith("vattn") and os.environ.get("VATTN_SGLANG") != "1":
         raise RuntimeError("vattn mode needs VATTN_SGLANG=1 in this process's environment")
     t0 = time.perf_counter()
     engine = sglang.Engine(**engine_kwargs(spec["mode"], spec["model_path"],

@@ -8,7 +8,7 @@
   (near-ties allowed: FA3 vs vattn's kernel) and :func:`check_not_degenerate`;
 * ``decode-heavy`` (256 x 512 in / 512 out) and ``prefill-heavy`` (32 x 16K in / 64 out):
   Llama-3-8B shape, ``load_format="dummy"``, throughput of every mode in ``VATTN_MODES``
-  (default ``stock vattn``; ``stock-eager`` = stock without CUDA graphs, like vattn).
+  (default ``stock vattn``; ``stock-eager`` / ``vattn-eager``: the same without CUDA graphs).
 
 Each stage writes ``DIR/<stage>.json``; engine logs go to ``DIR/logs``. ``VATTN_RUN_TIMEOUT``
 (seconds, default 150) limits one engine run; ``VATTN_SGLANG_ENGINE_ARGS`` (JSON) adds

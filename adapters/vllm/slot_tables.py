@@ -52,6 +52,8 @@ class SlotTables:
         self.slot_mapping = torch.full((1, max_num_tokens), PAD_ROW, dtype=torch.int64, device=device)
         self._token_ids = torch.arange(max_num_tokens, dtype=torch.int32, device=device)
         self._dirty = False
+        #: one Triton launch for the slot mapping (CUDA); the torch form elsewhere
+        self.fused = self.device.type == "cuda"
 
     # -- host side -------------------------------------------------------------------------
     def assign(self, index: int, slot: int) -> None:
@@ -99,9 +101,15 @@ class SlotTables:
         query_start_loc : ``[>= num_reqs + 1]`` int32, non-decreasing token offsets of the rows.
         positions : ``[>= num_tokens_padded]`` int64, position of every scheduled token.
 
-        No host synchronization: the token count is read on the device.
+        No host synchronization: the token count is read on the device. On CUDA one Triton
+        launch (:mod:`.slot_kernels`), elsewhere the torch form below (same result).
         """
         n = idx_mapping.shape[0]
+        if self.fused:
+            from .slot_kernels import slot_mapping_triton
+            slot_mapping_triton(self.slot_mapping[0], idx_mapping, query_start_loc, positions,
+                                self._slot_dev, num_reqs=n, rows_per_slot=self.rows_per_slot, pad=PAD_ROW)
+            return self.slot_mapping[:, :num_tokens_padded]
         tokens = self._token_ids[:num_tokens_padded]
         ends = query_start_loc[1:n + 1]
         row = torch.searchsorted(ends, tokens, right=True)           # batch row of each token

@@ -11,11 +11,19 @@
 # (and says so) when less than its minimum is left of VATTN_BUDGET_S (default 530 s, < 9 min).
 # Budgets (min / max s): tests 30/90, identity 120/170, decode-heavy 150/190, prefill-heavy
 # 150/190; estimates (never run yet), SGLang engine start ~60-90 s per mode. Modes per throughput
-# stage: VATTN_MODES (default "stock vattn"; "stock-eager" = stock without CUDA graphs, which the
-# vattn backend does not capture yet). One engine run is capped by VATTN_RUN_TIMEOUT (150 s).
+# stage: VATTN_MODES (default "stock vattn", both with SGLang's decode CUDA graphs; "stock-eager" /
+# "vattn-eager" without them). One engine run is capped by VATTN_RUN_TIMEOUT (150 s).
 # Needs SGLang 0.5.17 and its deps importable: staged into $VATTN_SITE (a folder of unpacked
 # wheels: sglang 0.5.17, sglang-kernel 0.4.5, flashinfer-python 0.6.15.post1, xgrammar 0.2.1,
 # apache-tvm-ffi 0.1.11, torchvision 0.26.0 + tests/adapters/sglang/requirements-cpu.txt).
+# Staging recipe (resolved 2026-12-03, 564 MB in 12 parts; not yet run on the GPU machine):
+#   python3 ../shared/tools/device_stage.py sglang==0.5.17 sglang-kernel==0.4.5 \
+#     flashinfer-python==0.6.15.post1 xgrammar==0.2.1 apache-tvm-ffi==0.1.11 torchvision==0.26.0 \
+#     --skip tokenspeed-triton --skip nvidia-cutlass-dsl --skip nvidia-cutlass-dsl-libs-cu12 \
+#     --skip nvidia-cutlass-dsl-libs-cu13 --skip nvidia-nvvm --skip nvidia-cuda-nvcc --skip tilelang \
+#     --skip z3-solver --skip nvidia-mathdx --skip modelscope --skip nvidia-cuda-nvdisasm --skip sgl-deep-gemm
+# then the 12 calls it prints, back to back, and VATTN_SITE=/tmp/site. It installs into the same
+# /tmp/site as the vLLM recipe: stage one engine per machine (a fresh machine between them).
 # Results: $OUT/sglang_results.tgz (JSON per stage, engine logs, summary), rewritten after each
 # stage, and $OUT/sglang_summary.txt.
 set -u

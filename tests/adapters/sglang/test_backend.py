@@ -26,6 +26,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from vattn.adapters.sglang.allocator import VattnTokenAllocator  # noqa: E402
 from vattn.adapters.sglang.backend import VattnAttnBackend  # noqa: E402
 from vattn.adapters.sglang.pool import VattnMHATokenToKVPool, make_cache  # noqa: E402
+from vattn.core.errors import ConfigError, UnsupportedError  # noqa: E402
 
 L, HQ, HK, D, CTX, REQS, PAGE = 2, 4, 2, 32, 96, 5, 16
 
@@ -140,3 +141,46 @@ def run_cycle(sides, lens, layers=None):
         vattn.finish(SimpleNamespace(**vars(req)), s)
     assert sides[0].alloc.available_size() == stock_free + sum(seq)
     assert vattn.alloc.live_slots() == frozenset()
+
+
+def test_decode_graph_metadata_is_persistent_pads_to_the_pad_slot_and_matches_eager():
+    """The decode CUDA-graph path (capture/replay metadata in persistent buffers) against the
+    eager path of the same backend, on a batch padded the way SGLang's graph runner pads it."""
+    from vattn.adapters.sglang.pool import PAD_SLOT
+    _, vattn = make_sides()
+    vattn.backend = VattnAttnBackend(vattn.runner, op_backend="reference")
+    gen = torch.Generator().manual_seed(7)
+    lens = [12, 30, 5]
+    rpi = vattn.r2t.alloc([SimpleNamespace(req_pool_idx=None) for _ in lens])
+    fb0 = vattn.forward_batch(ForwardMode.EXTEND, rpi, [0] * 3, lens)   # prefill: store the KV
+    for layer in LAYERS:
+        n = sum(lens)
+        vattn.backend.forward_extend(torch.randn(n, HQ * D, generator=gen), torch.randn(n, HK, D, generator=gen),
+                                     torch.randn(n, HK, D, generator=gen), layer, fb0)
+    seq = [n + 1 for n in lens]
+    fb = vattn.forward_batch(ForwardMode.DECODE, rpi, lens, seq)   # eager metadata (+ this step's KV slots)
+    layer = LAYERS[1]
+    q = torch.randn(3, HQ * D, generator=gen)
+    k, v = torch.randn(3, HK, D, generator=gen), torch.randn(3, HK, D, generator=gen)
+    eager = vattn.backend.forward_decode(q, k, v, layer, fb)
+
+    be = vattn.backend
+    with pytest.raises(ConfigError, match="init_cuda_graph_state"):
+        be.init_forward_metadata_out_graph(fb, in_capture=True)
+    be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
+    stale = torch.tensor([*rpi, rpi[0]], dtype=torch.int64)          # a padding row with a stale index
+    padded = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=4, num_padding=1,
+                             req_pool_indices=stale, seq_lens=torch.tensor([*seq, 1]))
+    be.init_forward_metadata_out_graph(padded, in_capture=True)
+    md = be.forward_metadata
+    assert md.slots.data_ptr() == be._graph_slots.data_ptr() and md.slots[3].item() == PAD_SLOT
+    assert md.max_seqlen_k == vattn.pool.rows_per_slot and md.seqlens.tolist() == [*seq, 1]
+    qp = torch.cat([q, torch.randn(1, HQ * D, generator=gen)])
+    out = be.forward_decode(qp, None, None, layer, padded, save_kv_cache=False)   # KV stored above
+    torch.testing.assert_close(out[:3], eager, rtol=1e-6, atol=1e-6)
+    be.init_forward_metadata_out_graph(padded)                          # a replay: same buffers
+    assert be.forward_metadata.slots.data_ptr() == md.slots.data_ptr()
+    with pytest.raises(UnsupportedError, match="decode only"):
+        be.init_forward_metadata_out_graph(SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=1))
+    with pytest.raises(UnsupportedError, match="sdpa"):
+        VattnAttnBackend(vattn.runner, op_backend="sdpa").init_cuda_graph_state(4, 4)

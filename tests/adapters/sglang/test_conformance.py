@@ -25,7 +25,9 @@ def test_engine_kwargs_per_mode():
     for kw in (stock, vattn):
         assert kw["page_size"] == 16 and kw["disable_radix_cache"]
         assert kw["sampling_backend"] == "pytorch"
-    assert "disable_cuda_graph" not in stock and vattn["disable_cuda_graph"]
+    assert "disable_cuda_graph" not in stock and "disable_cuda_graph" not in vattn   # both graphed
+    assert engine_kwargs("vattn-eager", "/m", {})["disable_cuda_graph"]
+    assert engine_kwargs("vattn-eager", "/m", {})["attention_backend"] == "vattn"
     assert engine_kwargs("stock-eager", "/m", {"load_format": "dummy"})["load_format"] == "dummy"
     with pytest.raises(ValueError, match="mode"):
         engine_kwargs("paged", "/m", {})

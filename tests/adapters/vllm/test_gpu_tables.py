@@ -1,5 +1,7 @@
 """Slot tables and the GPU runtime on CPU tensors / the host VMM backend (no vLLM needed)."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -11,13 +13,24 @@ from vattn.core import ops
 from vattn.core.errors import SlotError, VattnError
 
 
-def _tables(rows=97, reqs=9, tokens=64):
-    return SlotTables(max_num_reqs=reqs, max_num_tokens=tokens, rows_per_slot=rows, padding_slot=11,
-                      device="cpu")
+def _tables(rows=97, reqs=9, tokens=64, fused=False):
+    t = SlotTables(max_num_reqs=reqs, max_num_tokens=tokens, rows_per_slot=rows, padding_slot=11,
+                   device="cpu")
+    if fused:                                  # the CUDA form, on Triton's CPU interpreter
+        pytest.importorskip("triton")
+        t.fused = True
+    return t
 
 
-def test_block_table_and_slot_mapping_match_reference():
-    t = _tables()
+# "fused": the one-launch Triton slot mapping used on CUDA; CI runs it on the CPU interpreter
+FUSED = [pytest.param(False, id="torch"), pytest.param(True, id="triton_interpreter", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run the Triton "
+    "slot-mapping kernel on the CPU interpreter"))]
+
+
+@pytest.mark.parametrize("fused", FUSED)
+def test_block_table_and_slot_mapping_match_reference(fused):
+    t = _tables(fused=fused)
     for index, slot in {0: 3, 2: 0, 4: 7, 6: 10}.items():
         t.assign(index, slot)
     t.upload()
@@ -39,8 +52,9 @@ def test_block_table_and_slot_mapping_match_reference():
     assert bt.data_ptr() == t.block_table.data_ptr() and sm.data_ptr() == t.slot_mapping.data_ptr()
 
 
-def test_stale_slot_mapping_is_cleared_and_dummies_pad():
-    t = _tables()
+@pytest.mark.parametrize("fused", FUSED)
+def test_stale_slot_mapping_is_cleared_and_dummies_pad(fused):
+    t = _tables(fused=fused)
     t.assign(0, 1)
     t.upload()
     idx = torch.tensor([0], dtype=torch.int32)
