@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks of vattn.core.ops on one H200 (~12 minutes with every stage: split it over two calls
 # with VATTN_STAGES, e.g. "tests" then "attention flex layout"). From the repository root:
-#   OUT=/some/dir [VATTN_STAGES="tests attention flex layout"] [GROUP=4] bash tools/gpu/ops.sh
+#   OUT=/some/dir [VATTN_STAGES="tests attention flex fa3np layout"] [GROUP=4] bash tools/gpu/ops.sh
 # vLLM 0.26.0 staged on PYTHONPATH adds the FA3/FA2 kernels and their paged baselines. Run the tests
 # alone on the GPU: beside vLLM engines (sharing the host CPUs) they ran past their limit.
 # Writes $OUT/ops_results.tgz (env, test logs + junit, attention/layout json/md/png, BENCHMARKS.md).
@@ -57,6 +57,14 @@ if has flex; then
     --contexts 8192 --batches 16,64 --prefill-contexts 16384 --group-size "$GROUP" 2>&1 \
     > "$R/flex/attention.txt"
   tail -8 "$R/flex/attention.txt"; pack
+fi
+if has fa3np; then
+  echo "== bench attention with vLLM FA3 in non-paged varlen mode (an experiment: own process)"
+  mkdir -p "$R/fa3np"
+  timeout 240 $PY -u -m vattn bench attention --out "$R/fa3np" --no-report --fa3-nonpaged \
+    --models llama3-8b,yi-6b --contexts 1024,8192,32768,131072 --batches 1,16,64,256 --ops decode \
+    --group-size "$GROUP" --budget-s 180 2>&1 > "$R/fa3np/attention.txt"
+  tail -8 "$R/fa3np/attention.txt"; pack
 fi
 if has layout; then
   echo "== bench layout"
