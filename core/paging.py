@@ -33,10 +33,12 @@ class SlotPages:
         self.access: list[list[int]] = [[0] * len(bases) for _ in range(n)]
         self.cap_tokens = np.zeros(n, dtype=np.int64)   # tokens backed by usable page-sets
         self.held_n = np.zeros(n, dtype=np.int64)       # pool pages per slot (== held(slot))
+        self.usable_n = np.zeros(n, dtype=np.int64)     # == usable(slot), for vectorised queries
 
     def refresh(self, slot: int) -> None:
-        """Recompute ``cap_tokens[slot]`` after its pages changed."""
-        self.cap_tokens[slot] = self.layout.tokens_for(min(self.access[slot]))
+        """Recompute ``cap_tokens[slot]`` / ``usable_n[slot]`` after its pages changed."""
+        self.usable_n[slot] = min(self.access[slot])
+        self.cap_tokens[slot] = self.layout.tokens_for(int(self.usable_n[slot]))
 
     def usable(self, slot: int) -> int:
         """Page-sets of ``slot`` that are mapped and accessible in every range."""
