@@ -30,6 +30,7 @@ def vmm_summary(m: dict) -> dict:
             "ensure_total_ms": total_ms(m.get("ensure_us")), "map_incl_prewarm_ms": total_ms(m.get("map_page_us")),
             "on_blocks_total_ms": total_ms(m.get("on_blocks_us")),
             "pages_mapped_on_demand": m.get("pages_mapped_on_demand"),
-            "pages_prewarmed": m.get("prewarmed_pages"), "unmap_calls": m.get("unmap_calls"),
+            "pages_prewarmed": m.get("prewarmed_pages"), "slot_mapping": m.get("slot_mapping"),
+            "unmap_calls": m.get("unmap_calls"),
             "fence_waits": m.get("fence_waits"), "warm_hits": m.get("warm_hits"),
             "pool_init_s": m.get("init_s"), "layout": m.get("layout")}

@@ -149,6 +149,7 @@ class GpuRuntime:
         return self.cache.metrics() | {
             "apply_step_us": self.step_us.as_dict(), "on_blocks_us": self.blocks_us.as_dict(),
             "prewarmed_pages": self.prewarmed_pages, "init_s": self.init_s,
+            "slot_mapping": "triton" if self.tables.fused else f"torch ({self.tables.fused_error or 'not CUDA'})",
             "block_size": self.block_size, "rows_per_slot": self.rows_per_slot,
             "layout": rep.as_row() | {"worst_waste_bytes": rep.worst_waste_bytes}}
 

@@ -14,6 +14,8 @@ Device side, graph-safe to *replay* (they run eagerly before replay and write in
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -54,6 +56,7 @@ class SlotTables:
         self._dirty = False
         #: one Triton launch for the slot mapping (CUDA); the torch form elsewhere
         self.fused = self.device.type == "cuda"
+        self.fused_error: str | None = None   # why the Triton kernel was given up, if it was
 
     # -- host side -------------------------------------------------------------------------
     def assign(self, index: int, slot: int) -> None:
@@ -106,10 +109,17 @@ class SlotTables:
         """
         n = idx_mapping.shape[0]
         if self.fused:
-            from .slot_kernels import slot_mapping_triton
-            slot_mapping_triton(self.slot_mapping[0], idx_mapping, query_start_loc, positions,
-                                self._slot_dev, num_reqs=n, rows_per_slot=self.rows_per_slot, pad=PAD_ROW)
-            return self.slot_mapping[:, :num_tokens_padded]
+            try:
+                from .slot_kernels import slot_mapping_triton
+                slot_mapping_triton(self.slot_mapping[0], idx_mapping, query_start_loc, positions,
+                                    self._slot_dev, num_reqs=n, rows_per_slot=self.rows_per_slot,
+                                    pad=PAD_ROW)
+                return self.slot_mapping[:, :num_tokens_padded]
+            except Exception as exc:  # noqa: BLE001 - e.g. Triton missing or failing to compile:
+                # the torch form computes the same table; say so loudly and in the metrics
+                self.fused, self.fused_error = False, f"{type(exc).__name__}: {exc}"[:300]
+                warnings.warn(f"vattn: the Triton slot-mapping kernel failed ({self.fused_error}); "
+                              "using the torch form (same result, more launches per step)")
         tokens = self._token_ids[:num_tokens_padded]
         ends = query_start_loc[1:n + 1]
         row = torch.searchsorted(ends, tokens, right=True)           # batch row of each token

@@ -181,3 +181,19 @@ def test_runtime_prewarms_every_slot_within_its_region_when_the_pool_is_larger()
         rt.cache.audit()
     finally:
         rt.close()
+
+
+def test_fused_slot_mapping_that_fails_falls_back_loudly_to_the_same_result(monkeypatch):
+    pytest.importorskip("triton")
+    from vattn.adapters.vllm import slot_kernels
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(slot_kernels, "slot_mapping_triton", broken)
+    t = _tables()
+    t.fused = True                                   # as on CUDA
+    t.assign(0, 1)
+    t.upload()
+    idx = torch.tensor([0], dtype=torch.int32)
+    with pytest.warns(UserWarning, match="no compiler"):
+        sm = t.compute_slot_mapping(idx, torch.tensor([0, 2], dtype=torch.int32), torch.arange(64), 3)
+    assert sm[0].tolist() == [97, 98, PAD_ROW] and not t.fused and "no compiler" in t.fused_error
