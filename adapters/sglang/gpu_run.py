@@ -21,10 +21,10 @@ import argparse
 import json
 import os
 import sys
-import time
 
 from vattn.conformance.identity import compare
 from vattn.conformance.models import build_model, check_not_degenerate, random_prompts
+from vattn.conformance.stages import run_modes
 
 from .conformance import SglangRunner
 
@@ -58,27 +58,13 @@ def _runner(out: str, modes, **engine_args) -> SglangRunner:
                         log_dir=os.path.join(out, "logs"))
 
 
-def _run_all(runner, model, prompts, new, *, logprobs):
-    results, errors = {}, {}
-    for mode in runner.modes:
-        start = time.perf_counter()
-        try:
-            results[mode] = runner.run(mode, model, prompts, new, logprobs=logprobs,
-                                       device="cuda", dtype="bfloat16")
-        except Exception as exc:  # record and go on: one failing mode must not hide the others
-            errors[mode] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
-        print(f"[{mode}] {'ok' if mode in results else 'FAILED'} "
-              f"({time.perf_counter() - start:.0f} s incl. engine start)", flush=True)
-    return results, errors
-
-
 def identity(out: str) -> dict:
     """Stock vs vattn tokens on a small non-degenerate random model."""
     model = _model(out, "identity-4l", IDENTITY_MODEL, weights=True)
     lens = [64 + 12 * i for i in range(32)]
     prompts = random_prompts(32, lens, vocab_size=IDENTITY_MODEL["vocab_size"], seed=0)
     runner = _runner(out, ("stock", "vattn"), max_running_requests=32, context_length=1024)
-    results, errors = _run_all(runner, model, prompts, 32, logprobs=5)
+    results, errors = run_modes(runner, model, prompts, 32, logprobs=5)
     report = {"stage": "identity", "errors": errors, "ok": False}
     if "stock" in results:
         report["degenerate_check"] = check_not_degenerate(results["stock"].token_ids)
@@ -98,7 +84,7 @@ def throughput(out: str, workload: str) -> dict:
     modes = os.environ.get("VATTN_MODES", "stock vattn").split()
     runner = _runner(out, modes, load_format="dummy", max_running_requests=num,
                      context_length=length + new + 64, mem_fraction_static=0.85)
-    results, errors = _run_all(runner, model, prompts, new, logprobs=0)
+    results, errors = run_modes(runner, model, prompts, new, logprobs=0)
     rows = {m: {"seconds": r.seconds, "generated_tok_s": r.num_generated_tokens / r.seconds,
                 "total_tok_s": (r.num_generated_tokens + r.num_prompt_tokens) / r.seconds,
                 "init_s": r.extra.get("init_s")} for m, r in results.items()}

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-import time
+
+from vattn.conformance.stages import run_modes as run_all
 
 __all__ = ["make_runner", "env_modes", "run_all"]
 
@@ -19,32 +20,3 @@ def make_runner(out: str, tag: str, max_num_seqs: int, modes, **engine_args):
 
 def env_modes(env: str, default: str) -> list[str]:
     return os.environ.get(env, default).split()
-
-
-def _time_left() -> float | None:
-    """Seconds to the stage's deadline (``VATTN_STAGE_DEADLINE``, epoch seconds; set by vllm.sh)."""
-    deadline = os.environ.get("VATTN_STAGE_DEADLINE")
-    return None if not deadline else float(deadline) - time.time()
-
-
-def run_all(runner, model, prompts, new_tokens, *, logprobs: int) -> tuple[dict, dict]:
-    results, errors, base_timeout = {}, {}, runner.timeout_s
-    for mode in runner.modes:
-        start = time.perf_counter()
-        left = _time_left()
-        if left is not None:   # a hung mode is killed by us, in time to write the stage's JSON
-            runner.timeout_s = min(base_timeout, left - 15)
-            if runner.timeout_s < 30:
-                errors[mode] = f"skipped: {left:.0f} s left before the stage's deadline"
-                print(f"[{runner.tag}] {mode}: SKIPPED (no time left)", flush=True)
-                continue
-        try:
-            results[mode] = runner.run(mode, model, prompts, new_tokens, logprobs=logprobs,
-                                       device="cuda", dtype="bfloat16")
-        except Exception as exc:  # record and go on: one failing mode must not hide the others
-            errors[mode] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
-        print(f"[{runner.tag}] {mode}: {'ok' if mode in results else 'FAILED'} "
-              f"({time.perf_counter() - start:.0f} s incl. engine start)", flush=True)
-        if mode in errors:   # the log's tail, so vllm.sh's summary shows why
-            print(errors[mode][-1500:], flush=True)
-    return results, errors

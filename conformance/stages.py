@@ -1,0 +1,45 @@
+"""Running the modes of one GPU stage within the stage's time (engine-agnostic).
+
+Every mode runs through ``runner.run`` (one fresh engine process each); one failing mode is
+recorded and the others still run. ``VATTN_STAGE_DEADLINE`` (epoch seconds, set by
+``tools/gpu/engine_lib.sh``) caps each mode's ``runner.timeout_s`` so a hung engine is killed in
+time for the stage to write its JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+__all__ = ["run_modes"]
+
+
+def _time_left() -> float | None:
+    deadline = os.environ.get("VATTN_STAGE_DEADLINE")
+    return None if not deadline else float(deadline) - time.time()
+
+
+def run_modes(runner, model, prompts, new_tokens, *, logprobs: int) -> tuple[dict, dict]:
+    """``({mode: RunResult}, {mode: error text})`` for every mode of ``runner.modes``."""
+    results, errors, base_timeout = {}, {}, runner.timeout_s
+    tag = getattr(runner, "tag", None) or "stage"
+    for mode in runner.modes:
+        start = time.perf_counter()
+        left = _time_left()
+        if left is not None:
+            runner.timeout_s = min(base_timeout, left - 15)
+            if runner.timeout_s < 30:
+                errors[mode] = f"skipped: {left:.0f} s left before the stage's deadline"
+                print(f"[{tag}] {mode}: SKIPPED (no time left)", flush=True)
+                continue
+        try:
+            results[mode] = runner.run(mode, model, prompts, new_tokens, logprobs=logprobs,
+                                       device="cuda", dtype="bfloat16")
+        except Exception as exc:  # record and go on: one failing mode must not hide the others
+            errors[mode] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
+        print(f"[{tag}] {mode}: {'ok' if mode in results else 'FAILED'} "
+              f"({time.perf_counter() - start:.0f} s incl. engine start)", flush=True)
+        if mode in errors:   # the log's tail, so the stage summary shows why
+            print(errors[mode][-1500:], flush=True)
+    runner.timeout_s = base_timeout
+    return results, errors
