@@ -16,14 +16,13 @@
 # Needs SGLang 0.5.17 and its deps importable: staged into $VATTN_SITE (a folder of unpacked
 # wheels: sglang 0.5.17, sglang-kernel 0.4.5, flashinfer-python 0.6.15.post1, xgrammar 0.2.1,
 # apache-tvm-ffi 0.1.11, torchvision 0.26.0 + tests/adapters/sglang/requirements-cpu.txt).
-# Staging recipe (resolved 2026-12-03, 564 MB in 12 parts; not yet run on the GPU machine):
-#   python3 ../shared/tools/device_stage.py sglang==0.5.17 sglang-kernel==0.4.5 \
-#     flashinfer-python==0.6.15.post1 xgrammar==0.2.1 apache-tvm-ffi==0.1.11 torchvision==0.26.0 \
-#     --skip tokenspeed-triton --skip nvidia-cutlass-dsl --skip nvidia-cutlass-dsl-libs-cu12 \
-#     --skip nvidia-cutlass-dsl-libs-cu13 --skip nvidia-nvvm --skip nvidia-cuda-nvcc --skip tilelang \
-#     --skip z3-solver --skip nvidia-mathdx --skip modelscope --skip nvidia-cuda-nvdisasm --skip sgl-deep-gemm
-# then the 12 calls it prints, back to back, and VATTN_SITE=/tmp/site. It installs into the same
-# /tmp/site as the vLLM recipe: stage one engine per machine (a fresh machine between them).
+# The wheel set (resolved 2026-12-03 for CPython 3.12 x86-64 next to torch 2.11: 564 MB; not yet
+# run on a GPU): sglang==0.5.17 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1 xgrammar==0.2.1
+# apache-tvm-ffi==0.1.11 torchvision==0.26.0 and their dependencies, leaving out tokenspeed-triton,
+# nvidia-cutlass-dsl(-libs-cu12/-cu13), nvidia-nvvm, nvidia-cuda-nvcc, nvidia-cuda-nvdisasm,
+# tilelang, z3-solver, nvidia-mathdx, modelscope and sgl-deep-gemm (left out for size; stage any
+# that an import on the GPU turns out to need);
+# unpacked into VATTN_SITE. Keep it apart from a vLLM site: their pins differ.
 # Results: $OUT/sglang_results.tgz (JSON per stage, engine logs, summary), rewritten after each
 # stage, and $OUT/sglang_summary.txt.
 set -u
