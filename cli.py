@@ -17,6 +17,7 @@ _BENCHES = {
     "vmm": ("vattn.bench.vmm", "VMM call latency, map throughput, ensure() critical-path time"),
     "attention": ("vattn.bench.attention", "decode/prefill on virtual KV vs paged kernels"),
     "layout": ("vattn.bench.layout", "layer-group sweep: waste vs speed, recommends G"),
+    "engine": ("vattn.bench.engine", "end-to-end engine runs (stock / ceiling / vattn) into BENCHMARKS.md"),
 }
 
 

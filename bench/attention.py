@@ -43,9 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no new shape after this many seconds; the report lists the "
                              "shapes left out")
-    parser.add_argument("--fa3-nonpaged", action="store_true",
-                        help="add vLLM's FA3 in non-paged varlen mode on the same views (cu_seqlens_k "
-                             "= slot offsets, seqused_k = lengths; no block table): an experiment")
     parser.add_argument("--flex", action="store_true",
                         help="add torch FlexAttention paged (page 128) as a baseline: compiles per shape")
 
@@ -69,24 +66,7 @@ def _vattn_backends(op: str, device, dtype, dim) -> list[str]:
                                              head_dim=dim, capability=cap)]
 
 
-def _fa3_nonpaged(q, k, v, slots, lens, cu_q, ctx, dim):
-    """vLLM FA3 varlen without a block table on the flattened views, or None without vLLM."""
-    try:
-        from vllm.vllm_flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    rows = k.shape[1]
-    flat = [x.as_strided((x.shape[0] * rows, *x.shape[2:]), (x.stride(1), *x.stride()[2:]),
-                         x.storage_offset()) for x in (k, v)]
-    starts = slots.to(torch.int64) * rows
-    cu_k = torch.cat([starts, starts[-1:] + lens[-1:].to(torch.int64)]).to(torch.int32)
-    return lambda: flash_attn_varlen_func(q, flat[0], flat[1], 1, cu_q, ctx, cu_seqlens_k=cu_k,
-                                          seqused_k=lens, softmax_scale=dim ** -0.5, causal=True,
-                                          fa_version=3)
-
-
-def measure_decode(model, shape, batch, ctx, *, dtype, device, group, hbm, flex=False,
-                   fa3_nonpaged=False) -> list[dict]:
+def measure_decode(model, shape, batch, ctx, *, dtype, device, group, hbm, flex=False) -> list[dict]:
     hq, hk, dim = shape
     k, v, keep, slots = _views(shape, batch, ctx, dtype, device, group)
     q = torch.randn(batch, hq, dim, device=device).to(dtype)
@@ -99,10 +79,6 @@ def measure_decode(model, shape, batch, ctx, *, dtype, device, group, hbm, flex=
     for be in _vattn_backends("decode", device, dtype, dim):
         times[be] = bench_us(lambda be=be: decode(q, k, v, slots=s32, seqlens=lens, max_seqlen_k=ctx,
                                                   backend=be, cu_seqlens_q=cu_q), device=device)
-    if fa3_nonpaged and torch.device(device).type == "cuda":
-        run = _fa3_nonpaged(q, k, v, s32, lens, cu_q, ctx, dim)
-        if run is not None:
-            times["vllm_fa3_np"] = bench_us(run, device=device)
     paged = {}
     if torch.device(device).type == "cuda":
         pk = paged_copy(k, v, slots, ctx)
@@ -205,9 +181,8 @@ def run(args) -> int:
                 print(f"budget of {args.budget_s:.0f} s spent: {len(left_out)} shapes left out",
                       flush=True)
                 break
-            extra = {"fa3_nonpaged": args.fa3_nonpaged} if fn is measure_decode else {}
             rows = fn(model, shape, batch, ctx, dtype=dtype, device=device, group=args.group_size,
-                      hbm=hbm, flex=args.flex, **extra)
+                      hbm=hbm, flex=args.flex)
             for r in rows:
                 print(_fmt_row(r), flush=True)
                 log.write(json.dumps(r) + "\n")

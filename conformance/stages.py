@@ -36,10 +36,19 @@ def run_modes(runner, model, prompts, new_tokens, *, logprobs: int) -> tuple[dic
             results[mode] = runner.run(mode, model, prompts, new_tokens, logprobs=logprobs,
                                        device="cuda", dtype="bfloat16")
         except Exception as exc:  # record and go on: one failing mode must not hide the others
-            errors[mode] = f"{type(exc).__name__}: {str(exc)[-3000:]}"
+            errors[mode] = f"{type(exc).__name__}: {_head_and_tail(str(exc))}"
         print(f"[{tag}] {mode}: {'ok' if mode in results else 'FAILED'} "
               f"({time.perf_counter() - start:.0f} s incl. engine start)", flush=True)
         if mode in errors:   # the log's tail, so the stage summary shows why
             print(errors[mode][-1500:], flush=True)
     runner.timeout_s = base_timeout
     return results, errors
+
+
+def _head_and_tail(text: str, limit: int = 3000) -> str:
+    """``text`` cut to about ``limit`` characters keeping its first line (what failed, e.g. "timed
+    out after 90 s") and its tail (the root cause, last in engine logs)."""
+    if len(text) <= limit:
+        return text
+    head = text.splitlines()[0][:300]
+    return f"{head}\n[...]\n{text[-(limit - len(head)):]}"

@@ -10,7 +10,9 @@ exactly. Graph-safe: ``forward`` and ``do_kv_cache_update`` launch kernels only.
 What differs from stock ``FLASH_ATTN``:
 
 * ``get_preferred_block_size`` -> tokens per 2 MiB page of the layer-group layout;
-* the metadata builder schedules FA3 with ``page_size = rows_per_slot`` and never uses cascade;
+* the metadata builder schedules FA3 with ``page_size = attn_rows`` (the slot region, or with
+  ``VATTN_VLLM_EXACT=1`` its first ``rows_per_slot - 16`` rows, so FA3 takes stock's non-TMA
+  path: see :data:`.gpu_layout.EXACT_ENV`) and never uses cascade;
 * ``forward`` / ``do_kv_cache_update`` split vattn's view (vLLM 0.26's FA layout packs K and V of
   a head next to each other, vattn's keeps them ``H * D`` apart, so the stock split cannot be
   reused);
@@ -49,7 +51,7 @@ class VattnFlashMetadataBuilder(FlashAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.block_size = _runtime().rows_per_slot   # the page size FA3 sees (scheduler metadata)
+        self.block_size = _runtime().attn_rows   # the page size FA3 sees (scheduler metadata)
 
     def use_cascade_attention(self, *args, **kwargs) -> bool:
         return False
@@ -70,18 +72,20 @@ class VattnFlashImpl(FlashAttentionImpl):
         found = [name for name, on in refused.items() if on]
         if found:
             raise UnsupportedError(f"vattn's CUSTOM backend does not support {', '.join(found)}")
-        self._views: tuple | None = None   # (kv_cache, key_cache, value_cache), built once
+        self._views: tuple | None = None   # (kv_cache, (k, v) to store, (k, v) to attend), built once
 
-    def _split(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _split(self, kv_cache: torch.Tensor, *, attend: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[slots + 1, rows, H, D]`` of the layer: the whole slot regions to store into,
+        or (``attend``) the first ``attn_rows`` of each, the page the attention kernel sees."""
         views = self._views
         if views is None or views[0] is not kv_cache:
             if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
                 raise VattnError(f"vattn expects a [2, slots, rows, H, D] KV view, got "
                                  f"{tuple(kv_cache.shape)}: are the vattn KV hooks installed?")
-            k, v = kv_cache.unbind(0)
-            views = self._views = (kv_cache, canonicalize_singleton_dim_strides(k),
-                                   canonicalize_singleton_dim_strides(v))
-        return views[1], views[2]
+            k, v = (canonicalize_singleton_dim_strides(x) for x in kv_cache.unbind(0))
+            rows = _runtime().attn_rows
+            views = self._views = (kv_cache, (k, v), (k[:, :rows], v[:, :rows]))
+        return views[2] if attend else views[1]
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Store ``key``/``value`` ``[N, H, D]`` at rows ``slot_mapping`` (``-1`` = skip)."""
@@ -96,7 +100,7 @@ class VattnFlashImpl(FlashAttentionImpl):
             raise UnsupportedError("vattn: fused output quantization is not supported")
         if attn_metadata is None:          # vLLM's memory-profiling pass, as stock
             return output.fill_(0)
-        key_cache, value_cache = self._split(kv_cache)
+        key_cache, value_cache = self._split(kv_cache, attend=True)
         md = attn_metadata
         n = md.num_actual_tokens
         cu_seqlens_q = md.query_start_loc

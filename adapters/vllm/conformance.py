@@ -6,7 +6,9 @@ leave it unset so they are untouched stock vLLM. Modes:
 
 * ``stock``: vLLM's paged KV (block 16), ``FLASH_ATTN`` on GPU, ``CPU_ATTN`` on CPU;
 * ``ceiling`` (GPU only): stock vLLM with one block per request (``block_size = max_model_len``);
-* ``vattn``: the vattn backend (``CUSTOM`` on GPU, the ``CPU_ATTN`` override on CPU).
+* ``vattn``: the vattn backend (``CUSTOM`` on GPU, the ``CPU_ATTN`` override on CPU);
+* ``vattn-exact`` (GPU only): ``vattn`` with ``VATTN_VLLM_EXACT=1``, FA3 on stock's kernel path
+  (see :data:`.gpu_layout.EXACT_ENV`).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class VllmRunner:
             import torch
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = device
-        offered = ("stock", "ceiling", "vattn") if device.startswith("cuda") else ("stock", "vattn")
+        offered = (("stock", "ceiling", "vattn", "vattn-exact") if device.startswith("cuda")
+                   else ("stock", "vattn"))
         if modes is not None and (not modes or not set(modes) <= set(offered)):
             raise ConfigError(f"vllm modes must be a non-empty subset of {offered} on {device}, got {modes}")
         self.modes = tuple(modes) if modes is not None else offered
@@ -88,8 +91,10 @@ class VllmRunner:
     def _spawn(self, spec: dict) -> dict:
         env = dict(os.environ)
         env.pop("VATTN_VLLM", None)
-        if spec["mode"] == "vattn":
+        env.pop("VATTN_VLLM_EXACT", None)
+        if spec["mode"] in ("vattn", "vattn-exact"):
             env["VATTN_VLLM"] = "1"
+            env["VATTN_VLLM_EXACT"] = "1" if spec["mode"] == "vattn-exact" else "0"
         for key, value in (_GPU_ENV if spec["device"].startswith("cuda") else _CPU_ENV).items():
             env.setdefault(key, value)
         with tempfile.TemporaryDirectory(prefix="vattn-vllm-") as tmp:

@@ -86,10 +86,11 @@ def start_runtime(kv_cache_config, *, device, max_num_reqs: int, max_model_len: 
     if group is None:
         raise ConfigError("vattn: the engine built no KV cache group")
     spec, names = group.kv_cache_spec, sorted(group.layer_names, key=rt.layer_index)
+    exact = gpu_layout.exact_kernel_path()
     cfg = gpu_layout.cache_config(num_layers=len(names), num_kv_heads=spec.num_kv_heads,
                                   head_dim=spec.head_size, dtype=spec.dtype,
                                   num_blocks=kv_cache_config.num_blocks, max_num_reqs=max_num_reqs,
-                                  max_model_len=max_model_len, device=str(device))
+                                  max_model_len=max_model_len, device=str(device), exact=exact)
     page_set = cfg.num_layers // cfg.group_size * gpu_layout.PAGE_BYTES
     block = gpu_layout.tokens_per_page(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                        dtype=cfg.dtype, group_size=cfg.group_size)
@@ -97,7 +98,8 @@ def start_runtime(kv_cache_config, *, device, max_num_reqs: int, max_model_len: 
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()   # hand the profiling run's cached blocks back before cuMemCreate
     rt.uninstall()
-    runtime = GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max_num_tokens)
+    runtime = GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max_num_tokens,
+                         attn_margin=gpu_layout.EXACT_MARGIN if exact else 0, max_model_len=max_model_len)
     rt.install(runtime)
     return runtime
 

@@ -16,7 +16,7 @@ import torch
 from vattn.core import KVCacheConfig, layout_report
 from vattn.core.errors import ConfigError, UnsupportedError
 
-__all__ = ["PAGE_BYTES", "KV_TILE", "default_group_size", "group_size_for", "tokens_per_page",
+__all__ = ["PAGE_BYTES", "KV_TILE", "EXACT_ENV", "EXACT_MARGIN", "exact_kernel_path", "default_group_size", "group_size_for", "tokens_per_page",
            "block_size_for_vllm", "cache_config", "check_engine_config", "check_kv_cache_config"]
 
 PAGE_BYTES = 2 << 20   # the CUDA VMM granularity on Hopper: one physical page
@@ -24,6 +24,24 @@ PAGE_BYTES = 2 << 20   # the CUDA VMM granularity on Hopper: one physical page
 #: tiles: the TMA path of FA3 loads full tiles, and a tile crossing into an unmapped page faults.
 KV_TILE = 128
 _GROUP_ENV = "VATTN_GROUP_SIZE"
+#: ``VATTN_VLLM_EXACT=1``: run FA3 on the kernel path stock vLLM runs, for bit-identical outputs.
+#: FA3 (Hopper) loads a paged KV with TMA only when the page size is a multiple of its key tile
+#: (and the query block is large, i.e. prefill); stock vLLM's 16-token pages never qualify. A
+#: vattn slot region is a multiple of 128 rows, so by default prefill takes the TMA path — faster
+#: (the ceiling's path too) but a different kernel instantiation, hence not bit-identical to stock
+#: (agreement up to near-ties). In exact mode FA3 sees pages of ``rows_per_slot - EXACT_MARGIN``
+#: rows (not a multiple of 128): the non-TMA path, as stock. Each slot region gets
+#: ``EXACT_MARGIN`` spare rows of address space so every request still fits one page.
+EXACT_ENV = "VATTN_VLLM_EXACT"
+EXACT_MARGIN = 16
+
+
+def exact_kernel_path() -> bool:
+    """Whether ``VATTN_VLLM_EXACT=1`` asks for stock's FA3 kernel path (see :data:`EXACT_ENV`)."""
+    text = os.environ.get(EXACT_ENV, "0")
+    if text not in ("0", "1"):
+        raise ConfigError(f"{EXACT_ENV} must be 0 or 1, got {text!r}")
+    return text == "1"
 
 
 def default_group_size(num_layers: int) -> int:
@@ -86,7 +104,7 @@ def block_size_for_vllm(vllm_config) -> int:
 
 def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  num_blocks: int, max_num_reqs: int, max_model_len: int, device: str,
-                 group_size: int | None = None) -> KVCacheConfig:
+                 group_size: int | None = None, exact: bool = False) -> KVCacheConfig:
     """The :class:`KVCacheConfig` matching vLLM's block accounting.
 
     ``page_budget`` = ``num_blocks`` page-sets: one for the padding slot (vLLM keeps block 0 as
@@ -98,11 +116,14 @@ def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
     policy with one tenant: a page is zeroed once, when first mapped (stock vLLM allocates its
     pool with ``torch.zeros``; FA3 reads whole tiles, so a page must never hold NaN garbage), and
     not again when a slot is reused; with the pre-warm that zeroing happens at start.
+    ``exact``: reserve :data:`EXACT_MARGIN` spare rows per slot (address space only) for the
+    exact kernel path.
     """
     group = group_size_for(num_layers) if group_size is None else group_size
     block = tokens_per_page(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, group_size=group)
     page_set = num_layers // group * PAGE_BYTES
-    max_context = -(-max_model_len // block) * block   # a request's last block may pass max_model_len
+    spare = EXACT_MARGIN if exact else 0
+    max_context = -(-(max_model_len + spare) // block) * block   # a last block may pass max_model_len
     return KVCacheConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          dtype=dtype, max_slots=max_num_reqs, max_context=max_context,
                          group_size=group, page_budget=num_blocks * page_set, page_bytes=PAGE_BYTES,

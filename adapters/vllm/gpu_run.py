@@ -5,11 +5,15 @@
 * ``smoke``: first the checks (version gate, entry point visible, GPU modules import), then a
   tiny random model, ``stock`` vs ``vattn`` eager, a few tokens each, compared;
 * ``identity``: 8-layer model with Llama-3-8B attention shapes and random weights (std 0.02),
-  modes of ``VATTN_IDENTITY_MODES`` (default ``stock vattn``), CUDA graphs unless
-  ``VATTN_IDENTITY_EAGER=1``; judged by :func:`vattn.conformance.identity.compare`;
+  modes of ``VATTN_IDENTITY_MODES`` (default ``stock vattn-exact vattn ceiling``), CUDA graphs
+  unless ``VATTN_IDENTITY_EAGER=1``; every mode judged against stock by
+  :func:`vattn.conformance.identity.compare`, and ``vattn`` against ``ceiling`` (both run FA3's
+  TMA prefill path, stock and ``vattn-exact`` its non-TMA one: see
+  :data:`.gpu_layout.EXACT_ENV`);
 * ``throughput``: Llama-3-8B shape, ``load_format="dummy"``, modes ``stock vattn ceiling`` (or
   ``VATTN_MODES``; the ceiling last: it is the column to lose if time runs out) on one of
-  :data:`WORKLOADS`.
+  :data:`WORKLOADS`; each engine runs the batch ``VATTN_REPEATS`` times (default 2) and reports
+  the median (of 2: the faster), every run's time kept in ``seconds_each``.
 
 Each stage writes ``DIR/<stage>[_<workload>].json`` and the engine logs under ``DIR/logs``.
 ``VATTN_CUDAGRAPH_MODE`` (e.g. ``PIECEWISE``) sets vLLM's ``cudagraph_mode`` for every mode alike.
@@ -87,20 +91,29 @@ def stage_identity(args) -> dict:
     lengths = [64 + (i * 389) % 1800 for i in range(16)]          # crosses many 128-token pages
     prompts = random_prompts(16, lengths, vocab_size=IDENTITY_MODEL["vocab_size"], seed=5)
     eager = os.environ.get("VATTN_IDENTITY_EAGER", "0") == "1"
-    runner = _runner(args.out, "identity", 8, _modes("VATTN_IDENTITY_MODES", "stock vattn"),
+    runner = _runner(args.out, "identity", 8, _modes("VATTN_IDENTITY_MODES",
+                                                     "stock vattn-exact vattn ceiling"),
                      enforce_eager=eager)
     results, errors = _run_all(runner, model, prompts, 48, logprobs=5)
     report = {"eager": eager, "errors": errors, "modes": list(results), "ok": not errors}
     if "stock" in results:
         report["not_degenerate"] = check_not_degenerate(results["stock"].token_ids)
         report["ok"] &= report["not_degenerate"]["ok"]
-        for mode in (m for m in results if m != "stock"):
-            cmp = compare(results["stock"], results[mode]).to_dict()
-            report[f"{mode}_vs_stock"] = {k: cmp[k] for k in ("ok", "exact", "exact_match_rate",
-                                          "token_match_rate", "near_ties", "mismatches", "worst_gap")}
+    pairs = [("stock", m) for m in results if m != "stock"] + [("ceiling", "vattn")]
+    same_path = {("stock", "vattn-exact"), ("ceiling", "vattn")}   # same FA3 instantiation: bit-exact expected
+    report["same_path_exact"] = {}
+    for base, mode in pairs:
+        if base in results and mode in results:
+            cmp = compare(results[base], results[mode]).to_dict()
+            report[f"{mode}_vs_{base}"] = {k: cmp[k] for k in (
+                "ok", "exact", "exact_match_rate", "token_match_rate", "near_ties", "mismatches",
+                "worst_gap", "first_divergence")}
             report["ok"] &= cmp["ok"]
-    if "vattn" in results:
-        report["vattn_metrics"] = results["vattn"].extra.get("vattn_metrics")
+            if (base, mode) in same_path:
+                report["same_path_exact"][f"{mode}_vs_{base}"] = cmp["exact"]
+    for mode in ("vattn", "vattn-exact"):
+        if mode in results:
+            report[f"{mode}_metrics"] = results[mode].extra.get("vattn_metrics")
     return report
 
 
@@ -111,7 +124,8 @@ def stage_throughput(args) -> dict:
     model = _config_only_model(os.path.join(args.models, "llama3-8b-dummy"))
     prompts = random_prompts(num, plen, vocab_size=LLAMA3_8B["vocab_size"], seed=7)
     runner = _runner(args.out, args.workload, seqs, _modes("VATTN_MODES", "stock vattn ceiling"),
-                     load_format="dummy", max_num_batched_tokens=16384)
+                     load_format="dummy", max_num_batched_tokens=16384,
+                     repeats=int(os.environ.get("VATTN_REPEATS", "2")))
     results, errors = _run_all(runner, model, prompts, new, logprobs=0)
     report = {"workload": args.workload, "shape": [num, plen, new, seqs], "errors": errors,
               "ok": not errors, "rows": summarize(results, "stock") if "stock" in results else {}}
@@ -120,6 +134,7 @@ def stage_throughput(args) -> dict:
         metrics = res.extra.get("vattn_metrics")
         row = report["rows"].setdefault(mode, {"seconds": res.seconds})
         row |= {"init_s": res.extra.get("init_s"), "num_gpu_blocks": res.extra.get("num_gpu_blocks"),
+                "seconds_each": res.extra.get("seconds_each"),
                 "worst_waste_MiB_per_request": waste_per_request(
                     mode, max_model_len=max_len, shortest=plen + 1, metrics=metrics) / 2**20}
         if metrics:
@@ -172,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {"ok": False, "errors": {"stage": f"{type(exc).__name__}: {exc}"},
                   "traceback": traceback.format_exc()[-4000:]}
     report["stage_s"] = round(time.perf_counter() - start, 1)
+    report["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     name = args.stage + (f"_{args.workload}" if args.stage == "throughput" else "")
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(report, f, indent=1, default=repr)

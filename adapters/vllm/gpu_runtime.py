@@ -43,10 +43,16 @@ class GpuRuntime:
         The KV group's attention layers; their order is the local layer index.
     max_num_tokens : int
         ``max_num_batched_tokens`` (length of the slot-mapping buffer).
+    attn_margin : int
+        Rows per slot hidden from the attention kernel: its page is ``attn_rows = rows_per_slot
+        - attn_margin`` (0, or :data:`.gpu_layout.EXACT_MARGIN` for stock's FA3 kernel path).
+    max_model_len : int, optional
+        The longest request (vLLM's ``max_model_len``; default ``config.max_context``): it must
+        fit the attention page.
     """
 
     def __init__(self, config: KVCacheConfig, *, block_size: int, layer_names: list[str],
-                 max_num_tokens: int):
+                 max_num_tokens: int, attn_margin: int = 0, max_model_len: int | None = None):
         start = time.perf_counter()
         if len(layer_names) != config.num_layers:
             raise ConfigError(f"{len(layer_names)} layer names for a cache of {config.num_layers} layers")
@@ -56,6 +62,12 @@ class GpuRuntime:
             raise ConfigError(f"block_size {block_size} is not one page-set ({lay.tokens_for(1)} tokens)")
         self.block_size = block_size
         self.rows_per_slot = lay.rows_per_slot
+        #: the page size the attention kernel sees (one page per request): a slot's first rows
+        self.attn_rows = lay.rows_per_slot - attn_margin
+        longest = config.max_context if max_model_len is None else max_model_len
+        if not 0 <= attn_margin < lay.rows_per_slot or self.attn_rows < longest:
+            raise ConfigError(f"attn_margin {attn_margin} leaves {self.attn_rows} of {lay.rows_per_slot} "
+                              f"rows per slot; requests need up to {longest}")
         self.layer_of = {name: i for i, name in enumerate(layer_names)}
         self.tables = SlotTables(max_num_reqs=config.max_slots, max_num_tokens=max_num_tokens,
                                  rows_per_slot=lay.rows_per_slot, padding_slot=self.cache.padding_slot,
@@ -151,6 +163,7 @@ class GpuRuntime:
             "prewarmed_pages": self.prewarmed_pages, "init_s": self.init_s,
             "slot_mapping": "triton" if self.tables.fused else f"torch ({self.tables.fused_error or 'not CUDA'})",
             "block_size": self.block_size, "rows_per_slot": self.rows_per_slot,
+            "attn_page_rows": self.attn_rows,
             "layout": rep.as_row() | {"worst_waste_bytes": rep.worst_waste_bytes}}
 
     def close(self) -> None:

@@ -4,6 +4,11 @@
 step; stock vLLM's V2 runner takes one (its own Triton kernel). This is the one-launch form:
 program ``r < num_reqs`` writes the rows of batch row ``r``'s tokens, the last program fills the
 rest of the buffer with ``-1``. Reads the token offsets on the device: no host synchronization.
+
+The integer arguments are not specialized (``do_not_specialize``): Triton would otherwise compile
+one variant per class of value (``== 1``, divisible by 16, other) of ``num_reqs``, i.e. a JIT
+compilation the first time a step's batch size falls into a new class — seen on the H200 inside
+the timed part of an end-to-end run. :func:`warm_up` compiles the one variant at engine start.
 """
 
 from __future__ import annotations
@@ -12,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["slot_mapping_triton"]
+__all__ = ["slot_mapping_triton", "warm_up"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "buffer_len", "rows_per_slot"])
 def _slot_mapping_kernel(IdxMapping, QueryStartLoc, Positions, SlotOfIndex, Out, num_reqs,
                          buffer_len, rows_per_slot, PAD: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0)
@@ -43,3 +48,15 @@ def slot_mapping_triton(out: torch.Tensor, idx_mapping: torch.Tensor, query_star
     _slot_mapping_kernel[(num_reqs + 1,)](
         idx_mapping, query_start_loc, positions, slot_of_index, out, num_reqs, out.shape[0],
         rows_per_slot, PAD=pad, BLOCK=block)
+
+
+def warm_up(out: torch.Tensor, slot_of_index: torch.Tensor, *, rows_per_slot: int, pad: int) -> None:
+    """Compile the kernel now (engine start) on tensors like the runner's, then refill ``out``
+    with ``pad``: the first real step must not pay a JIT compilation."""
+    device = out.device
+    idx = torch.zeros(1, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    pos = torch.zeros(out.shape[0], dtype=torch.int64, device=device)
+    slot_mapping_triton(out, idx, qsl, pos, slot_of_index, num_reqs=1, rows_per_slot=rows_per_slot,
+                        pad=pad)
+    out.fill_(pad)

@@ -57,6 +57,22 @@ class SlotTables:
         #: one Triton launch for the slot mapping (CUDA); the torch form elsewhere
         self.fused = self.device.type == "cuda"
         self.fused_error: str | None = None   # why the Triton kernel was given up, if it was
+        if self.fused:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Compile the Triton slot-mapping kernel now (host side, at engine start), so that no
+        step pays a JIT compilation; on failure fall back to the torch form, loudly."""
+        try:
+            from .slot_kernels import warm_up
+            warm_up(self.slot_mapping[0], self._slot_dev, rows_per_slot=self.rows_per_slot, pad=PAD_ROW)
+        except Exception as exc:  # noqa: BLE001 - same policy as a failure at the first step
+            self._give_up_fused(exc)
+
+    def _give_up_fused(self, exc: Exception) -> None:
+        self.fused, self.fused_error = False, f"{type(exc).__name__}: {exc}"[:300]
+        warnings.warn(f"vattn: the Triton slot-mapping kernel failed ({self.fused_error}); "
+                      "using the torch form (same result, more launches per step)")
 
     # -- host side -------------------------------------------------------------------------
     def assign(self, index: int, slot: int) -> None:
@@ -116,10 +132,7 @@ class SlotTables:
                                     pad=PAD_ROW)
                 return self.slot_mapping[:, :num_tokens_padded]
             except Exception as exc:  # noqa: BLE001 - e.g. Triton missing or failing to compile:
-                # the torch form computes the same table; say so loudly and in the metrics
-                self.fused, self.fused_error = False, f"{type(exc).__name__}: {exc}"[:300]
-                warnings.warn(f"vattn: the Triton slot-mapping kernel failed ({self.fused_error}); "
-                              "using the torch form (same result, more launches per step)")
+                self._give_up_fused(exc)   # the torch form computes the same table
         tokens = self._token_ids[:num_tokens_padded]
         ends = query_start_loc[1:n + 1]
         row = torch.searchsorted(ends, tokens, right=True)           # batch row of each token

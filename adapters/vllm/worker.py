@@ -34,10 +34,10 @@ def engine_kwargs(spec: dict) -> dict:
               max_num_batched_tokens=spec.get("max_num_batched_tokens", max(max_len, 2048)))
     if gpu:
         kw["gpu_memory_utilization"] = spec.get("gpu_memory_utilization", 0.85)
-        kw["attention_backend"] = "CUSTOM" if mode == "vattn" else "FLASH_ATTN"
+        kw["attention_backend"] = "CUSTOM" if mode.startswith("vattn") else "FLASH_ATTN"
         if mode == "stock":
             kw["block_size"] = STOCK_BLOCK_SIZE
-        if mode == "vattn" and spec.get("vattn_block_size"):
+        if mode.startswith("vattn") and spec.get("vattn_block_size"):
             kw["block_size"] = spec["vattn_block_size"]
         if spec.get("compilation_config") is not None:
             kw["compilation_config"] = spec["compilation_config"]
@@ -58,9 +58,12 @@ def generate(spec: dict) -> dict:
                             detokenize=False, logprobs=spec["logprobs"] or None)
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    times = []
+    for _ in range(max(1, int(spec.get("repeats", 1)))):   # the same batch again: run-to-run spread
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    seconds = sorted(times)[(len(times) - 1) // 2]          # the median (lower one of an even count)
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = None
     if spec["logprobs"]:
@@ -73,6 +76,7 @@ def generate(spec: dict) -> dict:
                 num_generated_tokens=sum(len(t) for t in token_ids),
                 extra={"mode": spec["mode"], "vattn": os.environ.get("VATTN_VLLM") == "1",
                        "init_s": round(init_s, 2), "num_gpu_blocks": blocks,
+                       "seconds_each": [round(t, 4) for t in times],
                        "engine_kwargs": {k: v for k, v in engine_kwargs(spec).items() if k != "model"},
                        "vattn_metrics": _metrics(llm)})
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks of vattn.core.ops on one H200 (~12 minutes with every stage: split it over two calls
 # with VATTN_STAGES, e.g. "tests" then "attention flex layout"). From the repository root:
-#   OUT=/some/dir [VATTN_STAGES="tests attention flex fa3np layout"] [GROUP=4] bash tools/gpu/ops.sh
+#   OUT=/some/dir [VATTN_STAGES="tests attention flex layout"] [GROUP=4] bash tools/gpu/ops.sh
 # vLLM 0.26.0 staged on PYTHONPATH adds the FA3/FA2 kernels and their paged baselines. Run the tests
 # alone on the GPU: beside vLLM engines (sharing the host CPUs) they ran past their limit.
 # Writes $OUT/ops_results.tgz (env, test logs + junit, attention/layout json/md/png, BENCHMARKS.md).
@@ -27,14 +27,24 @@ pack() { mkdir -p "$OUT" && cp BENCHMARKS.md "$R/" 2>/dev/null; tar -czf "$OUT/o
 cat "$R/env.txt"
 
 if has tests; then
-  # one process per file, all at once (each is small on the GPU; a CUDA error in one cannot
-  # poison another file's tests), bounded together by TEST_LIMIT seconds
-  for f in store decode prefill dispatch; do
-    timeout "${TEST_LIMIT:-240}" $PY -m pytest -q -m gpu "tests/core/test_ops_$f.py" -p no:cacheprovider \
-      --durations=5 --junitxml="$R/gpu_tests_$f.xml" > "$R/gpu_tests_$f.txt" 2>&1 &
+  # one process per test file and kernel family, all at once (each is small on the GPU): a CUDA
+  # error or a hang in one (seen: vLLM's FA2 in fp16 on the H200, 2026-12-04) cannot hide the
+  # verdicts of the others; faulthandler prints where a test is stuck after FAULT_S seconds
+  run_tests() {  # run_tests NAME FILE [-k EXPR]
+    local name=$1 file=$2; shift 2
+    timeout "${TEST_LIMIT:-240}" $PY -m pytest -q -m gpu "tests/core/test_ops_$file.py" -p no:cacheprovider \
+      -o faulthandler_timeout="${FAULT_S:-90}" --durations=5 --junitxml="$R/gpu_tests_$name.xml" "$@" \
+      > "$R/gpu_tests_$name.txt" 2>&1
+    echo "rc=$?" >> "$R/gpu_tests_$name.txt"
+  }
+  OTHERS="not vllm_fa3 and not vllm_fa2"
+  run_tests store store & run_tests dispatch dispatch &
+  for f in decode prefill; do
+    run_tests "$f" "$f" -k "$OTHERS" & run_tests "${f}_vllm_fa3" "$f" -k vllm_fa3 &
+    run_tests "${f}_vllm_fa2" "$f" -k vllm_fa2 &
   done
   wait
-  for f in store decode prefill dispatch; do echo "== GPU tests: $f"; tail -2 "$R/gpu_tests_$f.txt"; done
+  for f in "$R"/gpu_tests_*.txt; do echo "== $(basename "$f" .txt)"; grep -E "passed|failed|error|rc=|Timeout" "$f" | tail -3; done
   pack
 fi
 
@@ -57,14 +67,6 @@ if has flex; then
     --contexts 8192 --batches 16,64 --prefill-contexts 16384 --group-size "$GROUP" 2>&1 \
     > "$R/flex/attention.txt"
   tail -8 "$R/flex/attention.txt"; pack
-fi
-if has fa3np; then
-  echo "== bench attention with vLLM FA3 in non-paged varlen mode (an experiment: own process)"
-  mkdir -p "$R/fa3np"
-  timeout 240 $PY -u -m vattn bench attention --out "$R/fa3np" --no-report --fa3-nonpaged \
-    --models llama3-8b,yi-6b --contexts 1024,8192,32768,131072 --batches 1,16,64,256 --ops decode \
-    --group-size "$GROUP" --budget-s 180 2>&1 > "$R/fa3np/attention.txt"
-  tail -8 "$R/fa3np/attention.txt"; pack
 fi
 if has layout; then
   echo "== bench layout"

@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
 # vLLM 0.26.0 on one GPU (H200): smoke -> identity -> throughput, each mode in its own engine:
-#   stock   FLASH_ATTN, paged, block 16
-#   ceiling FLASH_ATTN, one max_model_len block per request (num_gpu_blocks_override = seqs + 1)
-#   vattn   CUSTOM (vattn): vLLM's FA3 on virtually contiguous KV, block = one page-set
-# Needs vLLM 0.26.0 importable (from PYTHONPATH, or a staged directory VATTN_VLLM_SITE). Fits one
-# 9-minute call. A failed smoke stage stops the run unless VATTN_CONTINUE=1.
+#   stock       FLASH_ATTN, paged, block 16
+#   ceiling     FLASH_ATTN, one max_model_len block per request (num_gpu_blocks_override = seqs + 1)
+#   vattn       CUSTOM (vattn): vLLM's FA3 on virtually contiguous KV, block = one page-set
+#   vattn-exact vattn with VATTN_VLLM_EXACT=1: FA3 on stock's (non-TMA) kernel path
+# Needs vLLM 0.26.0 importable (from PYTHONPATH, or a staged directory VATTN_VLLM_SITE). A failed
+# smoke stage stops the run unless VATTN_CONTINUE=1.
 #   VATTN_STAGES     stages, in order (default "smoke identity throughput")
 #   VATTN_WORKLOADS  throughput workloads (default "decode-heavy"; also "prefill-heavy long-context")
 #   VATTN_BUDGET_S   wall budget of the script (default 530 s): a stage is skipped, and says so,
 #                    when less than its minimum time is left
-#   VATTN_MODES / VATTN_IDENTITY_MODES / VATTN_IDENTITY_EAGER / VATTN_GROUP_SIZE /
+#   VATTN_MODES / VATTN_IDENTITY_MODES / VATTN_IDENTITY_EAGER / VATTN_GROUP_SIZE / VATTN_REPEATS /
 #   VATTN_CUDAGRAPH_MODE (e.g. PIECEWISE, all modes alike): see adapters/vllm/gpu_run.py
-# Measured on the H200 (2026-12-03; engine start 40-60 s for the 8B shape with torch.compile +
-# CUDA graphs): smoke 143 s, identity ~140 s (two modes), decode-heavy ~75 s per mode, prefill-heavy
-# ~80 s per mode -> call 1: VATTN_STAGES="identity throughput" (decode-heavy); call 2:
-# VATTN_STAGES=throughput VATTN_WORKLOADS="prefill-heavy long-context" (each call < 10 minutes).
-# Results: $OUT/vllm_results.tgz (JSON per stage, engine logs) and $OUT/vllm_summary.txt.
+# Measured on the H200 (2026-12-04; engine start 45-55 s for the 8B shape with torch.compile +
+# CUDA graphs, the first engine of a machine ~105 s): identity 65-105 s per mode, decode-heavy
+# ~85 s per mode, prefill-heavy ~88 s, long-context ~95 s (one repeat; VATTN_REPEATS=2, the
+# default, adds one generation per mode: 11 / 17 / 27 s). One call (< 10 minutes) each:
+#   VATTN_STAGES=identity (4 modes) | VATTN_STAGES=throughput VATTN_WORKLOADS=decode-heavy
+#   | ...=prefill-heavy | ...=long-context
+# Results: $OUT/vllm_results.tgz (JSON per stage, engine logs) and $OUT/vllm_summary.txt;
+# render them with `vattn bench engine --results <dir>/vllm`.
 set -u
 OUT=${OUT:-/tmp/vattn-out}; mkdir -p "$OUT"
 W=$(mktemp -d); R=$W/vllm; mkdir -p "$R/logs"   # work files stay out of $OUT: only 2 files go there
@@ -54,10 +58,10 @@ for stage in ${VATTN_STAGES:-smoke identity throughput}; do
         echo "== smoke failed: later stages skipped (VATTN_CONTINUE=1 runs them anyway)" | tee -a "$SUM"
         break
       fi ;;
-    identity) run_stage identity 120 300 $G identity --out "$R" ;;
+    identity) run_stage identity 120 480 $G identity --out "$R" ;;
     throughput)
       for w in ${VATTN_WORKLOADS:-decode-heavy}; do
-        run_stage "throughput_$w" 200 380 $G throughput --workload "$w" --out "$R"
+        run_stage "throughput_$w" 200 480 $G throughput --workload "$w" --out "$R"
       done ;;
     *) echo "== unknown stage $stage (smoke | identity | throughput)" | tee -a "$SUM" ;;
   esac

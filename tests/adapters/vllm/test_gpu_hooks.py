@@ -172,14 +172,24 @@ def _attend_like_fa(*, q, k, v, out, cu_seqlens_q, seqused_k, block_table, softm
     return out
 
 
-def test_impl_stores_at_slot_rows_and_attends_per_request(fake_module, monkeypatch):
+@pytest.mark.parametrize("exact", ["0", "1"])
+def test_impl_stores_at_slot_rows_and_attends_per_request(fake_module, monkeypatch, exact):
+    """Default: FA sees whole slot regions as pages; exact mode: their first rows_per_slot - 16
+    rows (stock's non-TMA FA3 path) — the same memory either way."""
     from vattn.adapters.vllm import backend_gpu as be
     from vattn.core.ops.reference import attend_one
+    monkeypatch.setenv("VATTN_VLLM_EXACT", exact)
+    pages = []
+
+    def attend(**kw):
+        pages.append(kw["k"].shape[1])
+        return _attend_like_fa(**kw)
     monkeypatch.setattr(be.fa_utils, "reshape_and_cache_flash", _store_like_vllm, raising=False)
-    monkeypatch.setattr(be.fa_utils, "flash_attn_varlen_func", _attend_like_fa, raising=False)
+    monkeypatch.setattr(be.fa_utils, "flash_attn_varlen_func", attend, raising=False)
     runner = _runner()
     gpu_hooks._wrap_init(_fake_initialize(fake_module, {}), fake_module)(runner, _kv_config())
     runtime = rt.current()
+    assert runtime.attn_rows == runtime.rows_per_slot - (16 if exact == "1" else 0) >= 3000
     for index, blocks in ((2, 1), (0, 1)):
         runtime.on_blocks(index, blocks, new_request=True)
     runtime.apply()
@@ -206,3 +216,4 @@ def test_impl_stores_at_slot_rows_and_attends_per_request(fake_module, monkeypat
         torch.testing.assert_close(out[lo:hi], attend_one(q[lo:hi], k[lo:hi], v[lo:hi], scale=64 ** -0.5,
                                                           causal=True))
     assert bool((out[10:] == 0).all())
+    assert pages == [runtime.attn_rows] and (runtime.attn_rows % 128 != 0) == (exact == "1")

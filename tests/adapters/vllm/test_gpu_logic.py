@@ -42,6 +42,21 @@ def test_cache_config_budget_is_num_blocks_page_sets():
     assert cfg.max_context == 1024 and cfg.max_slots == 5 and cfg.map_ahead_tokens == 0
 
 
+def test_exact_mode_reserves_spare_rows_and_env_is_checked(monkeypatch):
+    kw = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, num_blocks=37,
+              max_num_reqs=5, device="cpu", group_size=4)
+    assert gl.cache_config(max_model_len=1024, **kw).max_context == 1024
+    assert gl.cache_config(max_model_len=1024, exact=True, **kw).max_context == 1152   # 1024 + 16 -> 9 pages
+    assert gl.cache_config(max_model_len=1000, exact=True, **kw).max_context == 1024   # 1016 still fits 8
+    monkeypatch.delenv(gl.EXACT_ENV, raising=False)
+    assert gl.exact_kernel_path() is False
+    monkeypatch.setenv(gl.EXACT_ENV, "1")
+    assert gl.exact_kernel_path() is True
+    monkeypatch.setenv(gl.EXACT_ENV, "yes")
+    with pytest.raises(ConfigError, match="VATTN_VLLM_EXACT must be 0 or 1"):
+        gl.exact_kernel_path()
+
+
 def _vllm_config(**over):
     cfg = SimpleNamespace(
         cache_config=SimpleNamespace(enable_prefix_caching=False, cache_dtype="auto"),
@@ -121,6 +136,8 @@ def test_engine_kwargs_of_the_three_gpu_modes():
     assert vattn["attention_backend"] == "CUSTOM" and "block_size" not in vattn
     assert all(kw["enable_prefix_caching"] is False and kw["enforce_eager"] is False
                for kw in (stock, ceiling, vattn))
+    exact = engine_kwargs(_spec("vattn-exact"))
+    assert exact["attention_backend"] == "CUSTOM" and "block_size" not in exact
     forced = engine_kwargs(_spec("vattn", vattn_block_size=256, compilation_config={"cudagraph_mode": "PIECEWISE"}))
     assert forced["block_size"] == 256 and forced["compilation_config"]["cudagraph_mode"] == "PIECEWISE"
 
@@ -130,6 +147,25 @@ def test_runner_modes_subset():
     assert VllmRunner(device="cuda", modes=("stock", "vattn")).modes == ("stock", "vattn")
     with pytest.raises(ConfigError):
         VllmRunner(device="cpu", modes=("ceiling",))
+    with pytest.raises(ConfigError):
+        VllmRunner(device="cpu", modes=("vattn-exact",))
+
+
+@pytest.mark.parametrize("mode, vattn, exact", [("stock", None, None), ("ceiling", None, None),
+                                                ("vattn", "1", "0"), ("vattn-exact", "1", "1")])
+def test_runner_sets_each_modes_environment(monkeypatch, mode, vattn, exact):
+    from vattn.adapters.vllm import conformance as vc
+    seen = {}
+
+    def fake_run_group(cmd, env, timeout_s, log=None):
+        seen.update(vattn=env.get("VATTN_VLLM"), exact=env.get("VATTN_VLLM_EXACT"))
+        raise vc.VattnError("stop here")
+    monkeypatch.setattr(vc, "_run_group", fake_run_group)
+    monkeypatch.setenv("VATTN_VLLM", "1")           # an outer setting must not leak into stock
+    monkeypatch.setenv("VATTN_VLLM_EXACT", "1")
+    with pytest.raises(vc.VattnError, match="stop here"):
+        vc.VllmRunner(device="cuda").run(mode, "/m", [[1, 2]], 2, device="cuda")
+    assert seen == {"vattn": vattn, "exact": exact}
 
 
 def test_waste_per_request_columns():
@@ -165,3 +201,37 @@ def test_throughput_report_has_the_three_columns(monkeypatch, tmp_path):
     assert rows["ceiling"]["worst_waste_MiB_per_request"] == 255 * 0.125     # (65792 - 65537) tokens
     assert rows["stock"]["worst_waste_MiB_per_request"] == 15 * 0.125
     assert rows["vattn"]["vmm_critical_path"]["apply_total_ms"] == 0.5
+
+
+def test_identity_report_compares_each_mode_with_stock_and_vattn_with_the_ceiling(monkeypatch, tmp_path):
+    from types import SimpleNamespace as NS
+
+    from vattn.adapters.vllm import gpu_run
+    from vattn.conformance.protocol import RunResult
+    base = [[(7 * i + j) % 50 + 3 for j in range(6)] for i in range(4)]
+    tied = [row[:] for row in base]
+    tied[2][4] = 1                                        # one late divergence, at a near-tie
+
+    def logprobs(rows):
+        return [[{t: -0.5, (1 if t != 1 else base[i][k]): -0.52} for k, t in enumerate(row)]
+                for i, row in enumerate(rows)]
+
+    def fake_run_all(runner, model, prompts, new, *, logprobs):
+        assert runner.modes == ("stock", "vattn-exact", "vattn", "ceiling")
+        rows = {"stock": base, "vattn-exact": base, "vattn": tied, "ceiling": tied}
+        return {m: RunResult(r, logprobs_of[m], 1.0, 10, 24, {"vattn_metrics": {"m": m}})
+                for m, r in rows.items()}, {}
+    logprobs_of = {m: logprobs(r) for m, r in {"stock": base, "vattn-exact": base, "vattn": tied,
+                                                "ceiling": tied}.items()}
+    monkeypatch.setattr(gpu_run, "_run_all", fake_run_all)
+    monkeypatch.setattr(gpu_run, "_free_cuda", lambda: None)
+    monkeypatch.setattr("vattn.conformance.models.build_model", lambda *a, **kw: str(tmp_path))
+    monkeypatch.setattr("vattn.conformance.models.check_not_degenerate", lambda ids: {"ok": True})
+    monkeypatch.delenv("VATTN_IDENTITY_MODES", raising=False)
+    report = gpu_run.stage_identity(NS(models=str(tmp_path), out=str(tmp_path)))
+    assert report["ok"]
+    assert report["vattn-exact_vs_stock"]["exact"] and report["vattn_vs_ceiling"]["exact"]
+    assert not report["vattn_vs_stock"]["exact"] and report["vattn_vs_stock"]["near_ties"] == 1
+    assert report["vattn_vs_stock"]["first_divergence"] == [None, None, 4, None]
+    assert report["same_path_exact"] == {"vattn-exact_vs_stock": True, "vattn_vs_ceiling": True}
+    assert report["vattn_metrics"] == {"m": "vattn"} and report["vattn-exact_metrics"] == {"m": "vattn-exact"}

@@ -10,7 +10,7 @@ from vattn.adapters.vllm import gpu_layout as gl
 from vattn.adapters.vllm.gpu_runtime import GpuRuntime
 from vattn.adapters.vllm.slot_tables import PAD_ROW, SlotTables
 from vattn.core import ops
-from vattn.core.errors import SlotError, VattnError
+from vattn.core.errors import ConfigError, SlotError, VattnError
 
 
 def _tables(rows=97, reqs=9, tokens=64, fused=False):
@@ -19,6 +19,9 @@ def _tables(rows=97, reqs=9, tokens=64, fused=False):
     if fused:                                  # the CUDA form, on Triton's CPU interpreter
         pytest.importorskip("triton")
         t.fused = True
+        t.slot_mapping.fill_(123)             # warm_up must leave the buffer all padding
+        t.warm_up()
+        assert t.fused and (t.slot_mapping == PAD_ROW).all()
     return t
 
 
@@ -65,6 +68,41 @@ def test_stale_slot_mapping_is_cleared_and_dummies_pad(fused):
     assert (t.dummy_slot_mapping(9) == PAD_ROW).all()
 
 
+@pytest.mark.parametrize("fused", FUSED)
+def test_slot_mapping_for_every_batch_size_class(fused):
+    """num_reqs == 1, a multiple of 16 and other sizes: one kernel (no per-class variant) serves all."""
+    t = _tables(reqs=40, tokens=64, fused=fused)
+    for index in range(33):
+        t.assign(index, index % 11)
+    t.upload()
+    for n in (1, 16, 5, 32, 33):
+        idx = torch.arange(n, dtype=torch.int32).flip(0)
+        qsl = torch.arange(n + 1, dtype=torch.int32)          # one decode token per row
+        pos = torch.arange(64) + 3
+        sm = t.compute_slot_mapping(idx, qsl, pos, num_tokens_padded=n)
+        assert sm[0].tolist() == [(int(i) % 11) * 97 + r + 3 for r, i in enumerate(idx)], n
+        assert (t.slot_mapping[0, n:] == PAD_ROW).all()
+
+
+def _break_kernel(monkeypatch, name: str, message: str) -> None:
+    """Make ``slot_kernels.<name>`` raise, as a Triton that cannot compile would."""
+    pytest.importorskip("triton")
+    from vattn.adapters.vllm import slot_kernels
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(message)
+    monkeypatch.setattr(slot_kernels, name, broken)
+
+
+def test_warm_up_failure_falls_back_loudly(monkeypatch):
+    _break_kernel(monkeypatch, "warm_up", "no compiler here")
+    t = _tables()
+    t.fused = True
+    with pytest.warns(UserWarning, match="no compiler here"):
+        t.warm_up()
+    assert not t.fused and "no compiler here" in t.fused_error
+
+
 def test_upload_only_when_changed_and_clear():
     t = _tables()
     t.assign(3, 2)
@@ -79,13 +117,33 @@ def test_upload_only_when_changed_and_clear():
         t.assign(0, 11)
 
 
-def _runtime(num_blocks=9, reqs=3, max_len=4000):
+def _runtime(num_blocks=9, reqs=3, max_len=4000, exact=False):
     cfg = gl.cache_config(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32,
                           num_blocks=num_blocks, max_num_reqs=reqs, max_model_len=max_len, device="cpu",
-                          group_size=2)
+                          group_size=2, exact=exact)
     block = gl.tokens_per_page(num_kv_heads=2, head_dim=64, dtype=torch.float32, group_size=2)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
-    return GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=64), block
+    return GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=64,
+                      attn_margin=gl.EXACT_MARGIN if exact else 0, max_model_len=max_len), block
+
+
+@pytest.mark.parametrize("max_len", [4000, 4096, 4090])
+def test_exact_mode_page_is_no_multiple_of_the_key_tile_and_holds_every_request(max_len):
+    default, _ = _runtime(max_len=max_len)
+    exact, block = _runtime(max_len=max_len, exact=True)
+    try:
+        assert default.attn_rows == default.rows_per_slot and default.attn_rows % gl.KV_TILE == 0
+        assert exact.attn_rows == exact.rows_per_slot - gl.EXACT_MARGIN
+        assert exact.attn_rows % gl.KV_TILE != 0 and exact.attn_rows >= max_len
+        assert exact.metrics()["attn_page_rows"] == exact.attn_rows
+    finally:
+        default.close()
+        exact.close()
+    cfg = gl.cache_config(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, num_blocks=9,
+                          max_num_reqs=3, max_model_len=4096, device="cpu", group_size=2)   # no spare rows
+    with pytest.raises(ConfigError, match="attn_margin"):
+        GpuRuntime(cfg, block_size=1024, layer_names=[f"l.{i}" for i in range(4)], max_num_tokens=8,
+                   attn_margin=gl.EXACT_MARGIN, max_model_len=4096)
 
 
 def test_runtime_maps_one_page_set_per_block_and_releases():
@@ -184,11 +242,7 @@ def test_runtime_prewarms_every_slot_within_its_region_when_the_pool_is_larger()
 
 
 def test_fused_slot_mapping_that_fails_falls_back_loudly_to_the_same_result(monkeypatch):
-    pytest.importorskip("triton")
-    from vattn.adapters.vllm import slot_kernels
-    def broken(*args, **kwargs):
-        raise RuntimeError("no compiler")
-    monkeypatch.setattr(slot_kernels, "slot_mapping_triton", broken)
+    _break_kernel(monkeypatch, "slot_mapping_triton", "no compiler")
     t = _tables()
     t.fused = True                                   # as on CUDA
     t.assign(0, 1)

@@ -1,0 +1,229 @@
+"""``vattn bench engine``: the end-to-end engine runs of a GPU machine, as a BENCHMARKS section.
+
+The engine stages (``tools/gpu/vllm.sh``, ``tools/gpu/sglang.sh``) run each mode in a fresh
+engine process, side by side in one call, and leave one JSON per stage plus ``env.txt``. This
+command reads them and writes what a reader compares: per workload the wall time of every mode
+(``stock`` paged, ``ceiling`` = one block per request, ``vattn``), vattn's ratio to stock and to
+the ceiling, the worst-case KV waste per request, the VMM time vattn spent on the step's critical
+path, plus the identity verdict — and a PNG of the ratios.
+
+Example::
+
+    vattn bench engine --results runs/vllm --engine vllm --png docs/img/vllm_e2e_h200.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+
+from vattn.core.errors import ConfigError
+
+__all__ = ["add_arguments", "run", "load_results", "markdown", "plot", "decode_bandwidth"]
+
+_ORDER = ("decode-heavy", "prefill-heavy", "long-context")
+#: Llama-3-8B shape, bf16: the bytes a decode step must read besides KV, and KV bytes per token
+_WEIGHT_BYTES_8B = 16.06e9
+_KV_BYTES_PER_TOKEN_8B = 32 * 2 * 8 * 128 * 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--results", required=True,
+                        help="folder holding the stage JSONs (throughput_*.json, identity.json, env.txt)")
+    parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
+    parser.add_argument("--title", default=None, help="BENCHMARKS section title")
+    parser.add_argument("--command", default=None, help="the GPU command(s) that produced the results")
+    parser.add_argument("--hbm-tbps", type=float, default=None,
+                        help="measured HBM copy bandwidth (TB/s) for the decode-heavy share column")
+    parser.add_argument("--png", default=None, help="write the ratio plot here")
+    parser.add_argument("--date", default=None, help="when the run was made (default: the stage JSONs' "
+                                                     "own date, if they have one)")
+    parser.add_argument("--benchmarks", default="BENCHMARKS.md")
+    parser.add_argument("--notes", default=None, help="a markdown file appended to the section (the reading)")
+    parser.add_argument("--no-report", action="store_true", help="print only, leave BENCHMARKS.md")
+
+
+def load_results(folder: str) -> dict:
+    """``{"identity": dict | None, "workloads": {name: report}, "env": str}`` from a results folder.
+
+    Raises
+    ------
+    ConfigError
+        The folder holds no stage JSON.
+    """
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--results: expected a folder of stage JSONs, got {folder!r} (no such folder)")
+    workloads = {}
+    for path in sorted(glob.glob(os.path.join(folder, "throughput_*.json")) +
+                       [p for p in glob.glob(os.path.join(folder, "*-heavy.json"))]):
+        with open(path) as f:
+            report = json.load(f)
+        name = report.get("workload") or report.get("stage")
+        if isinstance(name, dict) or not name:
+            name = os.path.basename(path)[:-5].removeprefix("throughput_")
+        workloads[name] = report
+    identity = None
+    if os.path.exists(os.path.join(folder, "identity.json")):
+        with open(os.path.join(folder, "identity.json")) as f:
+            identity = json.load(f)
+    if not workloads and identity is None:
+        raise ConfigError(f"--results: {folder!r} holds no throughput_*.json nor identity.json")
+    env = ""
+    if os.path.exists(os.path.join(folder, "env.txt")):
+        with open(os.path.join(folder, "env.txt")) as f:
+            env = " · ".join(line.strip() for line in f if line.strip())
+    return {"identity": identity, "workloads": workloads, "env": env}
+
+
+def _rows(report: dict) -> dict:
+    return report.get("rows") or report.get("modes") or {}
+
+
+def decode_bandwidth(report: dict, mode: str) -> float | None:
+    """Lower bound of the bytes/s a decode-heavy run moved (Llama-3-8B shape), or None.
+
+    Every decode step reads all weights once and the KV of every running request; prefill and
+    sampling are counted as free, so this understates what the GPU moved.
+    """
+    shape = report.get("shape") or []
+    row = _rows(report).get(mode) or {}
+    if len(shape) < 3 or not row.get("seconds"):
+        return None
+    num, prompt, new = shape[:3]
+    kv = num * sum(prompt + t for t in range(new)) * _KV_BYTES_PER_TOKEN_8B
+    return (new * _WEIGHT_BYTES_8B + kv) / row["seconds"]
+
+
+def _fmt(x, spec=".2f", none="—"):
+    return none if x is None else format(x, spec)
+
+
+def _workload_row(name: str, report: dict, hbm_tbps: float | None) -> str:
+    rows = _rows(report)
+    secs = {m: (rows.get(m) or {}).get("seconds") for m in ("stock", "ceiling", "vattn")}
+    errors = report.get("errors") or {}
+    cells = []
+    for m in ("stock", "ceiling", "vattn"):
+        tok = (rows.get(m) or {}).get("total_tok_s")
+        cells.append(f"{secs[m]:.2f} ({tok / 1e3:.1f}K tok/s)" if secs[m] and tok else
+                     f"{secs[m]:.2f}" if secs[m] else ("failed" if m in errors else "not run"))
+    v, s, c = secs["vattn"], secs["stock"], secs["ceiling"]
+    vs_stock = f"**{s / v:.4f}×**" if v and s else "—"
+    vs_ceiling = f"{c / v:.4f}×" if v and c else "—"
+    vattn = rows.get("vattn") or {}
+    waste = vattn.get("worst_waste_MiB_per_request")
+    vmm = vattn.get("vmm_critical_path") or {}
+    crit = (f"{_fmt(vmm.get('apply_total_ms'), '.1f')} ms apply + "
+            f"{_fmt(vmm.get('on_blocks_total_ms'), '.1f')} ms on_blocks; "
+            f"{vmm.get('pages_mapped_on_demand', '—')} pages mapped on demand") if vmm else "—"
+    bw = decode_bandwidth(report, "vattn") if name == "decode-heavy" else None
+    share = (f"{bw / 1e12:.2f} TB/s" + (f" ({100 * bw / (hbm_tbps * 1e12):.0f} %)" if hbm_tbps else "")
+             if bw else "—")
+    return (f"| {name} | {' | '.join(cells)} | {vs_stock} | {vs_ceiling} | "
+            f"{_fmt(waste, '.1f')} | {crit} | {share} |")
+
+
+def markdown(results: dict, *, hbm_tbps: float | None = None, png: str | None = None) -> str:
+    """The section body: workload table, identity verdict, errors."""
+    lines = []
+    if png:
+        lines += [f"![vattn and the ceiling against stock, per workload]({png})", ""]
+    if results["workloads"]:
+        lines += ["| workload | stock s (tokens in + out per s) | ceiling s (one block per request) | vattn s | vattn / stock "
+                  "| vattn / ceiling | vattn worst waste / request (MiB) | vattn host time on the step's "
+                  "critical path | decode-heavy bytes moved (lower bound; % of HBM copy) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        names = sorted(results["workloads"], key=lambda n: (_ORDER.index(n) if n in _ORDER else 9, n))
+        lines += [_workload_row(n, results["workloads"][n], hbm_tbps) for n in names]
+        lines.append("")
+    ident = results["identity"]
+    if ident is not None:
+        lines.append("Identity: " + _identity_text(ident))
+        lines.append("")
+    for name, report in results["workloads"].items():
+        for mode, err in (report.get("errors") or {}).items():
+            lines.append(f"- {name} / {mode} failed: `{str(err).strip().splitlines()[0][:300]}`")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _identity_text(ident: dict) -> str:
+    """One line per comparison (``<mode>_vs_<base>`` keys of the vLLM stage, ``identity`` of SGLang's)."""
+    pairs = {k.replace("_vs_", " vs "): v for k, v in ident.items() if "_vs_" in k and isinstance(v, dict)}
+    if not pairs and isinstance(ident.get("identity"), dict):
+        pairs = {"vattn vs stock": ident["identity"]}
+    if not pairs:
+        return f"no verdict (errors: {list((ident.get('errors') or {}))})"
+    degenerate = (ident.get("not_degenerate") or ident.get("degenerate_check") or {}).get("ok")
+    lines = [f"**{'PASS' if ident.get('ok') else 'FAIL'}** (outputs not degenerate: {degenerate})"]
+    for name, cmp in pairs.items():
+        rate = cmp.get("exact_match_rate", cmp.get("token_match_rate"))
+        lines.append(f"- {name}: {'**exact**' if cmp.get('exact') else 'not exact'} (exact-match rate "
+                     f"{_fmt(rate, '.3f')}, token match rate {_fmt(cmp.get('token_match_rate'), '.4f')}, "
+                     f"near-ties {cmp.get('near_ties')}, mismatches {len(cmp.get('mismatches') or [])}, "
+                     f"worst log-prob gap {_fmt(cmp.get('worst_gap'), '.4f')})")
+    same = ident.get("same_path_exact")
+    if same:
+        lines.append("- pairs on the same FA3 kernel path, expected bit-exact: " + ", ".join(
+            f"{k.replace('_vs_', ' vs ')} {'exact' if v else '**not exact**'}" for k, v in same.items()))
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> str | None:
+    """Bars of ceiling / stock and vattn / stock per workload (throughput ratio); None if no data."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [n for n in _ORDER if n in results["workloads"]] + \
+        sorted(n for n in results["workloads"] if n not in _ORDER)
+    data = {}
+    for n in names:
+        rows = _rows(results["workloads"][n])
+        base = (rows.get("stock") or {}).get("seconds")
+        data[n] = {m: base / rows[m]["seconds"] for m in ("ceiling", "vattn")
+                   if base and (rows.get(m) or {}).get("seconds")}
+    if not any(data.values()):
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.36
+    for i, (mode, color) in enumerate((("ceiling", "#9ab"), ("vattn", "#2a6"))):
+        xs = [j + (i - 0.5) * width for j in range(len(names))]
+        ys = [data[n].get(mode, 0) for n in names]
+        bars = ax.bar(xs, ys, width, label=mode, color=color)
+        ax.bar_label(bars, labels=[f"{y:.3f}" if y else "" for y in ys], fontsize=8)
+        for x, y in zip(xs, ys):
+            if not y:
+                ax.text(x, 1.0, "not\nmeasured", ha="center", va="bottom", fontsize=7, color="0.4")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--", label="stock paged = 1")
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("throughput / stock (same run)")
+    values = [v for d in data.values() for v in d.values()]
+    ax.set_ylim(min(0.9, min(values + [1.0]) - 0.02), max(values + [1.0]) + 0.05)
+    ax.legend(fontsize=8, loc="upper left", ncol=3)
+    ax.set_title("end to end, Llama-3-8B shape, bf16", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run(args) -> int:
+    from vattn.bench.report import write_section
+    results = load_results(args.results)
+    png = plot(results, args.png) if args.png else None
+    body = markdown(results, hbm_tbps=args.hbm_tbps, png=png)
+    if args.notes:
+        with open(args.notes) as f:
+            body += "\n" + f.read()
+    print(body)
+    if not args.no_report:
+        title = args.title or f"{args.engine} end to end (stock vs ceiling vs vattn)"
+        command = args.command or f"bash tools/gpu/{args.engine}.sh"
+        dates = sorted({r.get("date") for r in [*results["workloads"].values(), results["identity"] or {}]
+                        if r.get("date")})
+        env = {"date": args.date or " – ".join(dates) or "not recorded", "machine": results["env"] or "not recorded"}
+        write_section(title, body, command + f"\nvattn bench engine --results <dir> --engine {args.engine}",
+                      path=args.benchmarks, env=env)
+    return 0
