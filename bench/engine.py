@@ -19,6 +19,7 @@ import glob
 import json
 import os
 
+from vattn.conformance.models import PRESETS, kv_bytes_per_token
 from vattn.core.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "load_results", "markdown", "plot", "decode_bandwidth"]
@@ -26,7 +27,7 @@ __all__ = ["add_arguments", "run", "load_results", "markdown", "plot", "decode_b
 _ORDER = ("decode-heavy", "prefill-heavy", "long-context")
 #: Llama-3-8B shape, bf16: the bytes a decode step must read besides KV, and KV bytes per token
 _WEIGHT_BYTES_8B = 16.06e9
-_KV_BYTES_PER_TOKEN_8B = 32 * 2 * 8 * 128 * 2
+_KV_BYTES_PER_TOKEN_8B = kv_bytes_per_token(PRESETS["llama3-8b-shape"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +58,7 @@ def load_results(folder: str) -> dict:
         raise ConfigError(f"--results: expected a folder of stage JSONs, got {folder!r} (no such folder)")
     workloads = {}
     for path in sorted(glob.glob(os.path.join(folder, "throughput_*.json")) +
-                       [p for p in glob.glob(os.path.join(folder, "*-heavy.json"))]):
+                       glob.glob(os.path.join(folder, "*-heavy.json"))):
         with open(path) as f:
             report = json.load(f)
         name = report.get("workload") or report.get("stage")

@@ -18,7 +18,7 @@ import torch
 from vattn.core.errors import ConfigError, UnsupportedError
 
 __all__ = ["PRESETS", "build_model", "instantiate", "saved_weights", "check_not_degenerate", "model_shape",
-           "random_prompts"]
+           "random_prompts", "kv_bytes_per_token"]
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -28,6 +28,13 @@ PRESETS: dict[str, dict] = {
                             vocab_size=128256, max_position_embeddings=32768 + 1024, rope_theta=500000.0),
 }
 STAMP = "vattn_model.json"
+
+
+def kv_bytes_per_token(config: dict, elem_bytes: int = 2) -> int:
+    """K and V bytes one token holds over all layers of a preset-style ``config`` (bf16 default)."""
+    return (config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"]
+            * elem_bytes)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -23,16 +23,14 @@ import os
 import sys
 
 from vattn.conformance.identity import compare
-from vattn.conformance.models import build_model, check_not_degenerate, random_prompts
+from vattn.conformance.models import PRESETS, build_model, check_not_degenerate, random_prompts
 from vattn.conformance.stages import run_modes
 
 from .conformance import SglangRunner
 
 #: name -> (num prompts, prompt length, new tokens)
 WORKLOADS = {"decode-heavy": (256, 512, 512), "prefill-heavy": (32, 16384, 64)}
-LLAMA3_8B = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
-                 num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
-                 rope_theta=500000.0, max_position_embeddings=16384 + 1024)
+LLAMA3_8B = dict(PRESETS["llama3-8b-shape"], max_position_embeddings=16384 + 1024)
 IDENTITY_MODEL = dict(num_hidden_layers=4, hidden_size=2048, num_attention_heads=16,
                       num_key_value_heads=8, head_dim=128, intermediate_size=4096,
                       vocab_size=32000, max_position_embeddings=4096)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from vattn.conformance.models import PRESETS, kv_bytes_per_token
+
 __all__ = ["waste_per_request", "vmm_summary"]
 
-_BYTES_PER_TOKEN_8B = 32 * 2 * 8 * 128 * 2   # all layers, K and V, bf16
+_BYTES_PER_TOKEN_8B = kv_bytes_per_token(PRESETS["llama3-8b-shape"])   # all layers, K and V, bf16
 
 
 def waste_per_request(mode: str, *, max_model_len: int, shortest: int, metrics: dict | None) -> int:

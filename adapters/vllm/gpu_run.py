@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from vattn.conformance.models import PRESETS
+
 from .gpu_modes import env_modes as _modes, make_runner as _runner, run_all as _run_all
 from .gpu_report import vmm_summary, waste_per_request
 
@@ -37,9 +39,7 @@ __all__ = ["WORKLOADS", "LLAMA3_8B", "IDENTITY_MODEL", "waste_per_request", "mai
 #: name -> (num prompts, prompt length, new tokens, max_num_seqs) — the issue's workloads
 WORKLOADS = {"decode-heavy": (256, 512, 512, 256), "prefill-heavy": (32, 16384, 64, 32),
              "long-context": (8, 65536, 64, 8)}
-LLAMA3_8B = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-                 head_dim=128, intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
-                 max_position_embeddings=131072)
+LLAMA3_8B = dict(PRESETS["llama3-8b-shape"], max_position_embeddings=131072)
 IDENTITY_MODEL = dict(LLAMA3_8B, num_hidden_layers=8, intermediate_size=4096, vocab_size=32000,
                       max_position_embeddings=8192)
 
