@@ -9,6 +9,8 @@ leave it unset so they are untouched stock vLLM. Modes:
 * ``vattn``: the vattn backend (``CUSTOM`` on GPU, the ``CPU_ATTN`` override on CPU);
 * ``vattn-exact`` (GPU only): ``vattn`` with ``VATTN_VLLM_EXACT=1``, FA3 on stock's kernel path
   (see :data:`.gpu_layout.EXACT_ENV`).
+
+``MODE@N`` (e.g. ``stock@2``) runs a mode once more in a fresh engine: is it reproducible itself?
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ class VllmRunner:
         self.device = device
         offered = (("stock", "ceiling", "vattn", "vattn-exact") if device.startswith("cuda")
                    else ("stock", "vattn"))
-        if modes is not None and (not modes or not set(modes) <= set(offered)):
-            raise ConfigError(f"vllm modes must be a non-empty subset of {offered} on {device}, got {modes}")
+        if modes is not None and (not modes or not {_base(m) for m in modes} <= set(offered)):
+            raise ConfigError(f"vllm modes must be a non-empty subset of {offered} on {device} "
+                              f"(a mode again in a fresh engine as MODE@N, e.g. stock@2), got {modes}")
         self.modes = tuple(modes) if modes is not None else offered
         self.log_dir, self.tag = log_dir, tag
         self.max_num_seqs = max_num_seqs
@@ -82,7 +85,7 @@ class VllmRunner:
             raise UnsupportedError("the vLLM runner submits all prompts at once (offline LLM); "
                                    "arrival_times are not supported")
         longest = max(len(p) for p in prompts) + max_new_tokens
-        spec = dict(mode=mode, device=device, model_dir=str(model_dir), dtype=dtype,
+        spec = dict(mode=_base(mode), run_name=mode, device=device, model_dir=str(model_dir), dtype=dtype,
                     prompts=prompts, max_new_tokens=max_new_tokens, logprobs=logprobs,
                     max_model_len=_round_up(longest, 256), max_num_seqs=self.max_num_seqs)
         spec.update(self.engine_args)
@@ -102,7 +105,7 @@ class VllmRunner:
             with open(src, "w") as f:
                 json.dump(spec, f)
             cmd = [sys.executable, "-m", "vattn.adapters.vllm.worker", src, dst]
-            log = self._log_path(spec["mode"])
+            log = self.log_path(spec.get("run_name", spec["mode"]))
             try:
                 proc = _run_group(cmd, env, self.timeout_s, log)
             except subprocess.TimeoutExpired as exc:
@@ -117,11 +120,17 @@ class VllmRunner:
             out["logprobs"] = [[{int(k): v for k, v in pos.items()} for pos in req] for req in out["logprobs"]]
         return out
 
-    def _log_path(self, mode: str) -> str | None:
+    def log_path(self, mode: str) -> str | None:
         if self.log_dir is None:
             return None
         os.makedirs(self.log_dir, exist_ok=True)
         return os.path.join(self.log_dir, f"vllm_{self.tag}_{mode}.log")
+
+
+def _base(mode: str) -> str:
+    """``stock@2`` -> ``stock``: the same mode once more, in a fresh engine (run-to-run check)."""
+    base, _, again = mode.partition("@")
+    return base if again.isdigit() else mode
 
 
 def _run_group(cmd: list[str], env: dict, timeout_s: float,

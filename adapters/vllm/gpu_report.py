@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 from vattn.conformance.models import PRESETS, kv_bytes_per_token
 
-__all__ = ["waste_per_request", "vmm_summary"]
+__all__ = ["waste_per_request", "vmm_summary", "jit_during_inference", "parse_profiler_table",
+           "kernel_summary"]
 
 _BYTES_PER_TOKEN_8B = kv_bytes_per_token(PRESETS["llama3-8b-shape"])   # all layers, K and V, bf16
 
@@ -36,3 +40,69 @@ def vmm_summary(m: dict) -> dict:
             "unmap_calls": m.get("unmap_calls"),
             "fence_waits": m.get("fence_waits"), "warm_hits": m.get("warm_hits"),
             "pool_init_s": m.get("init_s"), "layout": m.get("layout")}
+
+
+_JIT = re.compile(r"JIT compilation during inference: (\S+?)\.? ")
+
+
+def jit_during_inference(log: str | None) -> list[str] | None:
+    """Kernels vLLM's JIT monitor saw compiled after start-up (a latency spike in the timed run),
+    from an engine log; ``None`` when there is no log to read."""
+    if not log or not os.path.exists(log):
+        return None
+    with open(log, errors="replace") as f:
+        return [m.group(1) for m in _JIT.finditer(f.read())]
+
+
+_UNITS = {"s": 1e6, "ms": 1e3, "us": 1.0, "ns": 1e-3}
+
+
+def _us(text: str) -> float:
+    m = re.fullmatch(r"([0-9.]+)(s|ms|us|ns)", text.strip())
+    if not m:
+        raise ValueError(f"expected a time like 12.3ms, got {text!r}")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def parse_profiler_table(text: str) -> list[dict]:
+    """Rows ``{name, self_cuda_us, calls}`` of a torch profiler ``key_averages().table()`` (what
+    vLLM's profiler writes to ``profiler_out_<rank>.txt``), the columns found from its rule line."""
+    lines = text.splitlines()
+    rules = [i for i, line in enumerate(lines) if line.startswith("---") and set(line) <= {"-", " "}]
+    if len(rules) < 2:
+        raise ValueError("not a torch profiler table: no rule lines")
+    spans = [(m.start(), m.end()) for m in re.finditer(r"-+", lines[rules[0]])]
+    # header cells by their gaps, not the rule's spans: "CUDA time avg" overflows its column
+    header = re.split(r"\s{2,}", lines[rules[0] + 1].strip())
+    try:
+        name_col, cuda_col, calls_col = (header.index(h) for h in ("Name", "Self CUDA", "# of Calls"))
+    except ValueError as exc:
+        raise ValueError(f"profiler table lacks a column ({exc}); header: {header}") from None
+    rows = []
+    for line in lines[rules[1] + 1:(rules[2] if len(rules) > 2 else len(lines))]:
+        cells = [line[a:b].strip() for a, b in spans]
+        if len(cells) <= max(name_col, cuda_col, calls_col) or not cells[name_col]:
+            continue
+        rows.append({"name": cells[name_col], "self_cuda_us": _us(cells[cuda_col]),
+                     "calls": int(cells[calls_col])})
+    return rows
+
+
+#: kernel families of a decode step, by name (first match wins; the raw names are kept too)
+_FAMILIES = (("kv store", ("reshape_and_cache",)),
+             ("slot tables", ("_slot_mapping_kernel", "gather_block_table", "index_select")),
+             ("attention", ("flash", "FlashAttn", "mha_", "fwd_combine")),
+             ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")))
+
+
+def kernel_summary(rows: list[dict], top: int = 12) -> dict:
+    """GPU time per kernel family and the ``top`` kernels of a profiler table's rows."""
+    kernels = [r for r in rows if r["self_cuda_us"] > 0]
+    families: dict[str, float] = {}
+    for r in kernels:
+        family = next((f for f, keys in _FAMILIES if any(k in r["name"] for k in keys)), "other")
+        families[family] = families.get(family, 0.0) + r["self_cuda_us"]
+    ordered = sorted(kernels, key=lambda r: -r["self_cuda_us"])
+    return {"total_us": round(sum(r["self_cuda_us"] for r in kernels), 1),
+            "families_us": {k: round(v, 1) for k, v in sorted(families.items())},
+            "top": ordered[:top]}

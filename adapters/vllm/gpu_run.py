@@ -5,7 +5,8 @@
 * ``smoke``: first the checks (version gate, entry point visible, GPU modules import), then a
   tiny random model, ``stock`` vs ``vattn`` eager, a few tokens each, compared;
 * ``identity``: 8-layer model with Llama-3-8B attention shapes and random weights (std 0.02),
-  modes of ``VATTN_IDENTITY_MODES`` (default ``stock vattn-exact vattn ceiling``), CUDA graphs
+  modes of ``VATTN_IDENTITY_MODES`` (default ``stock vattn-exact vattn ceiling``; ``MODE@N`` runs
+  a mode again in a fresh engine, compared with its first run), CUDA graphs
   unless ``VATTN_IDENTITY_EAGER=1``; every mode judged against stock by
   :func:`vattn.conformance.identity.compare`, and ``vattn`` against ``ceiling`` (both run FA3's
   TMA prefill path, stock and ``vattn-exact`` its non-TMA one: see
@@ -13,7 +14,10 @@
 * ``throughput``: Llama-3-8B shape, ``load_format="dummy"``, modes ``stock vattn ceiling`` (or
   ``VATTN_MODES``; the ceiling last: it is the column to lose if time runs out) on one of
   :data:`WORKLOADS`; each engine runs the batch ``VATTN_REPEATS`` times (default 2) and reports
-  the median (of 2: the faster), every run's time kept in ``seconds_each``.
+  the median (of 2: the faster), every run's time kept in ``seconds_each``;
+* ``profile``: the throughput setup, each mode once more under vLLM's torch profiler for a
+  window of engine steps: GPU time per kernel family (attention, KV store, GEMM, vattn's slot
+  tables, other) and the top kernels, to find where a mode loses time.
 
 Each stage writes ``DIR/<stage>[_<workload>].json`` and the engine logs under ``DIR/logs``.
 ``VATTN_CUDAGRAPH_MODE`` (e.g. ``PIECEWISE``) sets vLLM's ``cudagraph_mode`` for every mode alike.
@@ -32,7 +36,8 @@ import time
 from vattn.conformance.models import PRESETS
 
 from .gpu_modes import env_modes as _modes, make_runner as _runner, run_all as _run_all
-from .gpu_report import vmm_summary, waste_per_request
+from .gpu_report import (jit_during_inference, kernel_summary, parse_profiler_table, vmm_summary,
+                         waste_per_request)
 
 __all__ = ["WORKLOADS", "LLAMA3_8B", "IDENTITY_MODEL", "waste_per_request", "main"]
 
@@ -99,8 +104,10 @@ def stage_identity(args) -> dict:
     if "stock" in results:
         report["not_degenerate"] = check_not_degenerate(results["stock"].token_ids)
         report["ok"] &= report["not_degenerate"]["ok"]
-    pairs = [("stock", m) for m in results if m != "stock"] + [("ceiling", "vattn")]
-    same_path = {("stock", "vattn-exact"), ("ceiling", "vattn")}   # same FA3 instantiation: bit-exact expected
+    again = [(m.split("@")[0], m) for m in results if "@" in m]   # MODE@N: the same mode re-run
+    pairs = [("stock", m) for m in results if m != "stock"] + [("ceiling", "vattn")] + again
+    # same FA3 instantiation (or the same mode again): bit-exact expected
+    same_path = {("stock", "vattn-exact"), ("ceiling", "vattn"), *again}
     report["same_path_exact"] = {}
     for base, mode in pairs:
         if base in results and mode in results:
@@ -111,6 +118,7 @@ def stage_identity(args) -> dict:
             report["ok"] &= cmp["ok"]
             if (base, mode) in same_path:
                 report["same_path_exact"][f"{mode}_vs_{base}"] = cmp["exact"]
+    report["jit_during_inference"] = {m: jit_during_inference(runner.log_path(m)) for m in results}
     for mode in ("vattn", "vattn-exact"):
         if mode in results:
             report[f"{mode}_metrics"] = results[mode].extra.get("vattn_metrics")
@@ -135,10 +143,49 @@ def stage_throughput(args) -> dict:
         row = report["rows"].setdefault(mode, {"seconds": res.seconds})
         row |= {"init_s": res.extra.get("init_s"), "num_gpu_blocks": res.extra.get("num_gpu_blocks"),
                 "seconds_each": res.extra.get("seconds_each"),
+                "jit_during_inference": jit_during_inference(runner.log_path(mode)),
                 "worst_waste_MiB_per_request": waste_per_request(
                     mode, max_model_len=max_len, shortest=plen + 1, metrics=metrics) / 2**20}
         if metrics:
             row["vmm_critical_path"] = vmm_summary(metrics)
+    return report
+
+
+def stage_profile(args) -> dict:
+    """One workload per mode (untimed, after one timed run) under vLLM's torch profiler for
+    ``VATTN_PROFILE_STEPS`` engine steps after ``VATTN_PROFILE_DELAY`` (default 32 after 64:
+    decode steps of decode-heavy): GPU time per kernel family and the top kernels, per mode."""
+    import shutil
+
+    from vattn.conformance.models import random_prompts
+    num, plen, new, seqs = WORKLOADS[args.workload]
+    model = _config_only_model(os.path.join(args.models, "llama3-8b-dummy"))
+    prompts = random_prompts(num, plen, vocab_size=LLAMA3_8B["vocab_size"], seed=7)
+    modes = _modes("VATTN_MODES", "stock vattn ceiling")
+    report = {"workload": args.workload, "shape": [num, plen, new, seqs], "ok": True, "errors": {},
+              "steps": int(os.environ.get("VATTN_PROFILE_STEPS", 32)),
+              "delay": int(os.environ.get("VATTN_PROFILE_DELAY", 64)), "modes": {}}
+    for mode in modes:   # one runner per mode: each its own profiler directory
+        pdir = os.path.join(args.out, "profile", mode)
+        shutil.rmtree(pdir, ignore_errors=True)
+        os.makedirs(pdir)
+        runner = _runner(args.out, f"profile-{args.workload}", seqs, [mode], load_format="dummy",
+                         max_num_batched_tokens=16384, profile_dir=pdir,
+                         profile_steps=report["steps"], profile_delay=report["delay"])
+        results, errors = _run_all(runner, model, prompts, new, logprobs=0)
+        report["errors"] |= errors
+        table = os.path.join(pdir, "profiler_out_0.txt")
+        if mode in results and os.path.exists(table):
+            with open(table) as f:
+                report["modes"][mode] = kernel_summary(parse_profiler_table(f.read()))
+            report["modes"][mode]["seconds"] = results[mode].seconds
+        elif mode in results:
+            errors[mode] = report["errors"][mode] = f"no profiler table in {pdir}"
+        for name in os.listdir(pdir):   # the traces are large: keep the table only
+            path = os.path.join(pdir, name)
+            if name != "profiler_out_0.txt":
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    report["ok"] = not report["errors"] and bool(report["modes"])
     return report
 
 
@@ -167,7 +214,7 @@ def _stop(signum, frame):
 
 
 _STAGES = {"smoke": stage_smoke, "identity": stage_identity,
-           "throughput": stage_throughput}
+           "throughput": stage_throughput, "profile": stage_profile}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                   "traceback": traceback.format_exc()[-4000:]}
     report["stage_s"] = round(time.perf_counter() - start, 1)
     report["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    name = args.stage + (f"_{args.workload}" if args.stage == "throughput" else "")
+    name = args.stage + (f"_{args.workload}" if args.stage in ("throughput", "profile") else "")
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(report, f, indent=1, default=repr)
     # short: vllm.sh's summary keeps this output's last 2500 characters (the JSON has it all)

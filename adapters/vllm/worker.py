@@ -41,6 +41,11 @@ def engine_kwargs(spec: dict) -> dict:
             kw["block_size"] = spec["vattn_block_size"]
         if spec.get("compilation_config") is not None:
             kw["compilation_config"] = spec["compilation_config"]
+        if spec.get("profile_dir"):   # vLLM's torch profiler in the engine core, a window of steps
+            kw["profiler_config"] = dict(
+                profiler="torch", torch_profiler_dir=spec["profile_dir"], ignore_frontend=True,
+                torch_profiler_with_stack=False, delay_iterations=spec.get("profile_delay", 0),
+                max_iterations=spec.get("profile_steps", 0))
     if mode == "ceiling":
         kw["block_size"] = max_len
         kw["num_gpu_blocks_override"] = max_seqs + 1
@@ -64,6 +69,10 @@ def generate(spec: dict) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
     seconds = sorted(times)[(len(times) - 1) // 2]          # the median (lower one of an even count)
+    if spec.get("profile_dir"):    # once more, profiled (untimed): the kernel table of a step window
+        llm.start_profile()
+        llm.generate(prompts, params, use_tqdm=False)
+        llm.stop_profile()
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     logprobs = None
     if spec["logprobs"]:

@@ -97,6 +97,16 @@ def _why_not(backend, *, op, device_type, dtype, head_dim, capability, installed
     return None
 
 
+def _auto_skips(backend: str, capability: tuple[int, int] | None) -> str | None:
+    """Why ``"auto"`` passes over a backend that would run, or ``None``."""
+    if backend == "vllm_fa2" and (capability or (0, 0))[0] >= 9:
+        # vLLM 0.26.0's FA2 library holds sm80 cubins and PTX only: on sm90 the driver compiles
+        # its PTX at first use, 110-185 s per kernel family on the H200 (measured 2026-12-04)
+        return ("auto skips 'vllm_fa2' on sm90+ (vLLM ships it as sm80 code: the driver JIT-compiles"
+                " it at first use, minutes); pass backend='vllm_fa2' to use it anyway")
+    return None
+
+
 def resolve_backend(op: str, *, device: torch.device | str, dtype: torch.dtype, head_dim: int,
                     backend: str = "auto", capability: tuple[int, int] | None = None,
                     installed: frozenset | None = None) -> str:
@@ -109,7 +119,7 @@ def resolve_backend(op: str, *, device: torch.device | str, dtype: torch.dtype, 
         Where and what the op runs on.
     backend : str
         ``"auto"`` (the first supported entry of ``DECODE_ORDER`` / ``PREFILL_ORDER`` on CUDA,
-        ``"reference"`` elsewhere) or a name from ``BACKENDS``.
+        except ``vllm_fa2`` on sm90+, ``"reference"`` elsewhere) or a name from ``BACKENDS``.
     capability, installed
         Override the probes (tests pass them to make resolution pure).
 
@@ -138,7 +148,7 @@ def resolve_backend(op: str, *, device: torch.device | str, dtype: torch.dtype, 
     order = DECODE_ORDER if op == "decode" else PREFILL_ORDER
     reasons = []
     for name in order:
-        why = _why_not(name, **args)
+        why = _why_not(name, **args) or _auto_skips(name, capability)
         if why is None:
             return name
         reasons.append(why)

@@ -18,13 +18,14 @@ CASES = [  # (batch, contexts, kv_heads, gqa)
 
 
 def naive_decode(q, k, v, slots, seqlens, scale):
+    """fp64, one request at a time, all heads at once (query head h reads KV head h // gqa)."""
     out = torch.empty(q.shape, dtype=torch.float64)
+    kv_heads = k.shape[2]
     for b, (s, n) in enumerate(zip(slots.tolist(), seqlens.tolist())):
-        for h in range(q.shape[1]):
-            kh = h // (q.shape[1] // k.shape[2])
-            kk, vv = k[s, :n, kh].double(), v[s, :n, kh].double()
-            w = torch.softmax(kk @ q[b, h].double() * scale, dim=0)
-            out[b, h] = w @ vv
+        qq = q[b].double().view(kv_heads, -1, q.shape[-1])             # [Hk, gqa, D]
+        kk, vv = k[s, :n].double(), v[s, :n].double()                  # [n, Hk, D]
+        w = torch.softmax(torch.einsum("hgd,nhd->hgn", qq, kk) * scale, dim=-1)
+        out[b] = torch.einsum("hgn,nhd->hgd", w, vv).reshape(q.shape[1:])
     return out
 
 

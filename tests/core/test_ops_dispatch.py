@@ -24,6 +24,9 @@ def _resolve(op, installed, capability=HOPPER, dtype=torch.bfloat16, head_dim=12
     (frozenset({"flash_attn", "triton"}), AMPERE, "flash_attn", "flash_attn"),
     (frozenset({"flashinfer", "triton", "torch_fa2"}), HOPPER, "triton", "torch_fa2"),
     (frozenset({"torch_fa2"}), HOPPER, "torch_fa2", "torch_fa2"),
+    # vLLM's FA2 is sm80 code: on Hopper its first use is a driver JIT of minutes, auto passes it over
+    (frozenset({"vllm_fa2", "triton", "torch_fa2"}), HOPPER, "triton", "torch_fa2"),
+    (frozenset({"vllm_fa2", "triton", "torch_fa2"}), AMPERE, "vllm_fa2", "vllm_fa2"),
 ])
 def test_auto_order(installed, capability, decode_be, prefill_be):
     assert _resolve("decode", installed, capability) == decode_be
@@ -93,3 +96,12 @@ def test_bad_strides_and_devices():
     if torch.cuda.is_available():
         with pytest.raises(TensorError, match="on"):
             decode(q.cuda(), k, v, slots=slots, seqlens=lens)
+
+
+def test_explicit_vllm_fa2_still_allowed_on_hopper_and_auto_says_why_it_skips():
+    assert _resolve("decode", ALL, HOPPER) == "vllm_fa3"
+    only = frozenset({"vllm_fa2"})
+    assert resolve_backend("decode", device="cuda", dtype=torch.bfloat16, head_dim=128,
+                           installed=only, capability=HOPPER, backend="vllm_fa2") == "vllm_fa2"
+    with pytest.raises(UnsupportedError, match="JIT-compiles"):
+        _resolve("decode", only, HOPPER)

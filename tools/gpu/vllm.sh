@@ -6,7 +6,8 @@
 #   vattn-exact vattn with VATTN_VLLM_EXACT=1: FA3 on stock's (non-TMA) kernel path
 # Needs vLLM 0.26.0 importable (from PYTHONPATH, or a staged directory VATTN_VLLM_SITE). A failed
 # smoke stage stops the run unless VATTN_CONTINUE=1.
-#   VATTN_STAGES     stages, in order (default "smoke identity throughput")
+#   VATTN_STAGES     stages, in order (default "smoke identity throughput"; also "profile": each
+#                    mode under vLLM's torch profiler, GPU time per kernel family)
 #   VATTN_WORKLOADS  throughput workloads (default "decode-heavy"; also "prefill-heavy long-context")
 #   VATTN_BUDGET_S   wall budget of the script (default 530 s): a stage is skipped, and says so,
 #                    when less than its minimum time is left
@@ -58,12 +59,16 @@ for stage in ${VATTN_STAGES:-smoke identity throughput}; do
         echo "== smoke failed: later stages skipped (VATTN_CONTINUE=1 runs them anyway)" | tee -a "$SUM"
         break
       fi ;;
-    identity) run_stage identity 120 480 $G identity --out "$R" ;;
+    identity) run_stage identity 120 570 $G identity --out "$R" ;;
     throughput)
       for w in ${VATTN_WORKLOADS:-decode-heavy}; do
         run_stage "throughput_$w" 200 480 $G throughput --workload "$w" --out "$R"
       done ;;
-    *) echo "== unknown stage $stage (smoke | identity | throughput)" | tee -a "$SUM" ;;
+    profile)   # where the time goes, per kernel family and mode (see gpu_run.stage_profile)
+      for w in ${VATTN_WORKLOADS:-decode-heavy}; do
+        run_stage "profile_$w" 200 560 $G profile --workload "$w" --out "$R"
+      done ;;
+    *) echo "== unknown stage $stage (smoke | identity | throughput | profile)" | tee -a "$SUM" ;;
   esac
 done
 echo "== total $(( $(date +%s) - START )) s" | tee -a "$SUM"

@@ -235,3 +235,83 @@ def test_identity_report_compares_each_mode_with_stock_and_vattn_with_the_ceilin
     assert report["vattn_vs_stock"]["first_divergence"] == [None, None, 4, None]
     assert report["same_path_exact"] == {"vattn-exact_vs_stock": True, "vattn_vs_ceiling": True}
     assert report["vattn_metrics"] == {"m": "vattn"} and report["vattn-exact_metrics"] == {"m": "vattn-exact"}
+
+
+def test_jit_during_inference_reads_vllms_monitor_lines(tmp_path):
+    from vattn.adapters.vllm.gpu_report import jit_during_inference
+    log = tmp_path / "engine.log"
+    log.write_text(
+        "(EngineCore pid=1) INFO [jit_monitor.py:79] Kernel JIT monitor activated; monitored JIT"
+        " compilations during inference will use mode=warn.\n"
+        "(EngineCore pid=1) WARNING [jit_monitor.py:135] Triton kernel JIT compilation during"
+        " inference: _slot_mapping_kernel. This causes a latency spike; consider extending warmup\n")
+    assert jit_during_inference(str(log)) == ["_slot_mapping_kernel"]
+    log.write_text("(EngineCore pid=1) INFO [jit_monitor.py:79] Kernel JIT monitor activated\n")
+    assert jit_during_inference(str(log)) == []
+    assert jit_during_inference(str(tmp_path / "missing.log")) is None
+    assert jit_during_inference(None) is None
+
+
+def test_runner_mode_again_names_its_base_mode():
+    from vattn.adapters.vllm.conformance import VllmRunner, _base
+    assert _base("stock@2") == "stock" and _base("vattn-exact@3") == "vattn-exact"
+    assert _base("stock") == "stock" and _base("stock@x") == "stock@x"
+    runner = VllmRunner(device="cuda", modes=("stock", "stock@2"), log_dir=None)
+    assert runner.modes == ("stock", "stock@2")
+    with pytest.raises(ConfigError, match="stock@2"):
+        VllmRunner(device="cuda", modes=("stock", "bogus@2"))
+
+
+_RULE = "  ".join(["-" * 55] + ["-" * 12] * 10) + "  "
+_HEAD = ["Name", "Self CPU %", "Self CPU", "CPU total %", "CPU total", "CPU time avg", "Self CUDA",
+         "Self CUDA %", "CUDA total", "CUDA time avg", "# of Calls"]
+
+
+def _table(rows):
+    """A torch profiler key_averages table as vLLM writes it (right-aligned, fixed columns)."""
+    def line(cells):
+        return "  ".join([f"{cells[0]:>55}"] + [f"{c:>12}" for c in cells[1:]]) + "  "
+    body = [line([n if len(n) <= 55 else n[:52] + "...", "0.00%", "0.000us", "0.00%", "1.000us", "0.000us", cuda, "1.00%", cuda, "1.000us",
+                  str(calls)]) for n, cuda, calls in rows]
+    return "\n".join([_RULE, line(_HEAD), _RULE, *body, _RULE, "Self CPU time total: 1.234s",
+                      "Self CUDA time total: 301.250ms", ""])
+
+
+def test_profiler_table_parsed_into_kernel_families():
+    from vattn.adapters.vllm.gpu_report import kernel_summary, parse_profiler_table
+    text = _table([("void flash::FlashAttnFwdSm90<cutlass::bfloat16_t, 128...", "120.500ms", 2048),
+                   ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "1.5s", 4096),
+                   ("void vllm::reshape_and_cache_flash_kernel<__nv_bfl...", "850.000us", 2048),
+                   ("_slot_mapping_kernel", "12.000us", 64),
+                   ("cudaGraphLaunch", "0.000us", 64),
+                   ("triton_red_fused_add_rms_norm_0", "900ns", 10)])
+    rows = parse_profiler_table(text)
+    assert [r["calls"] for r in rows] == [2048, 4096, 2048, 64, 64, 10]
+    assert rows[0]["name"].startswith("void flash::FlashAttnFwdSm90")
+    assert rows[1]["self_cuda_us"] == 1.5e6 and rows[5]["self_cuda_us"] == 0.9
+    summary = kernel_summary(rows, top=2)
+    assert summary["families_us"] == {"attention": 120500.0, "gemm": 1.5e6, "kv store": 850.0,
+                                      "other": 0.9, "slot tables": 12.0}
+    assert [r["name"][:5] for r in summary["top"]] == ["nvjet", "void "]
+    assert summary["total_us"] == round(120500 + 1.5e6 + 850 + 12 + 0.9, 1)
+
+
+def test_profiler_table_errors_name_what_is_wrong():
+    from vattn.adapters.vllm.gpu_report import parse_profiler_table
+    with pytest.raises(ValueError, match="no rule lines"):
+        parse_profiler_table("Self CUDA time total: 1s")
+    with pytest.raises(ValueError, match="lacks a column"):
+        parse_profiler_table("\n".join([_RULE, "  ".join(["Name"] * 11), _RULE, _RULE]))
+    bad = _table([("k", "12 parsecs", 1)])
+    with pytest.raises(ValueError, match="expected a time"):
+        parse_profiler_table(bad)
+
+
+def test_profiler_table_reads_torchs_own_header():
+    """A real (CPU-only) torch table: the rule and header are found; no Self CUDA column."""
+    from vattn.adapters.vllm.gpu_report import parse_profiler_table
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(8, 8) @ torch.ones(8, 8)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total")
+    with pytest.raises(ValueError, match=r"Self CUDA.*header: \['Name', 'Self CPU %'"):
+        parse_profiler_table(table)
