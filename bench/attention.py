@@ -18,10 +18,11 @@ import torch
 
 from vattn.bench.flex_paged import FLEX_PAGE, flex_paged_runner
 from vattn.bench.paged_baselines import bench_us, hbm_copy_tbps, paged_copy, paged_decoders, paged_prefillers
+from vattn.bench.vmm_backed import on_vmm, vmm_copy
 from vattn.core.ops import DECODE_ORDER, PREFILL_ORDER, decode, is_supported, prefill
 from vattn.core.ops.synthetic import group_views
 
-__all__ = ["MODEL_SHAPES", "add_arguments", "run", "measure_decode", "measure_prefill"]
+__all__ = ["MODEL_SHAPES", "add_arguments", "run", "measure_decode", "measure_prefill", "vmm_copy"]
 
 #: name -> (q_heads, kv_heads, head_dim): the paper's shapes
 MODEL_SHAPES = {"llama3-8b": (32, 8, 128), "yi-6b": (32, 4, 128), "yi-34b": (56, 8, 128)}
@@ -45,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "shapes left out")
     parser.add_argument("--flex", action="store_true",
                         help="add torch FlexAttention paged (page 128) as a baseline: compiles per shape")
+    parser.add_argument("--vmm", action="store_true",
+                        help="also run every vattn kernel on a real VirtualKVCache (2 MiB pages mapped "
+                             "one by one; rows named BACKEND@vmm) holding the same data: the cost of "
+                             "the page mapping itself (TLB reach), apart from the layout")
 
 
 def _views(shape, batch, ctx, dtype, device, group):
@@ -66,7 +71,8 @@ def _vattn_backends(op: str, device, dtype, dim) -> list[str]:
                                              head_dim=dim, capability=cap)]
 
 
-def measure_decode(model, shape, batch, ctx, *, dtype, device, group, hbm, flex=False) -> list[dict]:
+def measure_decode(model, shape, batch, ctx, *, dtype, device, group, hbm, flex=False,
+                   vmm=False) -> list[dict]:
     hq, hk, dim = shape
     k, v, keep, slots = _views(shape, batch, ctx, dtype, device, group)
     q = torch.randn(batch, hq, dim, device=device).to(dtype)
@@ -79,6 +85,9 @@ def measure_decode(model, shape, batch, ctx, *, dtype, device, group, hbm, flex=
     for be in _vattn_backends("decode", device, dtype, dim):
         times[be] = bench_us(lambda be=be: decode(q, k, v, slots=s32, seqlens=lens, max_seqlen_k=ctx,
                                                   backend=be, cu_seqlens_q=cu_q), device=device)
+    if vmm:
+        times |= on_vmm(list(times), k, v, slots, ctx, group, lambda be, mk, mv, ms: decode(
+            q, mk, mv, slots=ms, seqlens=lens, max_seqlen_k=ctx, backend=be, cu_seqlens_q=cu_q))
     paged = {}
     if torch.device(device).type == "cuda":
         pk = paged_copy(k, v, slots, ctx)
@@ -91,7 +100,8 @@ def measure_decode(model, shape, batch, ctx, *, dtype, device, group, hbm, flex=
     return _rows("decode", model, batch, ctx, times, paged, kv_bytes, hbm, flops=None)
 
 
-def measure_prefill(model, shape, batch, ctx, *, dtype, device, group, hbm, flex=False) -> list[dict]:
+def measure_prefill(model, shape, batch, ctx, *, dtype, device, group, hbm, flex=False,
+                    vmm=False) -> list[dict]:
     hq, hk, dim = shape
     k, v, keep, slots = _views(shape, batch, ctx, dtype, device, group)
     q = torch.randn(batch * ctx, hq, dim, device=device).to(dtype)
@@ -103,6 +113,10 @@ def measure_prefill(model, shape, batch, ctx, *, dtype, device, group, hbm, flex
         times[be] = bench_us(lambda be=be: prefill(
             q, k, v, cu_seqlens_q=cu, slots=s32, seqlens_k=lens, max_seqlen_q=ctx,
             max_seqlen_k=ctx, backend=be), device=device)
+    if vmm:
+        times |= on_vmm(list(times), k, v, slots, ctx, group, lambda be, mk, mv, ms: prefill(
+            q, mk, mv, cu_seqlens_q=cu, slots=ms, seqlens_k=lens, max_seqlen_q=ctx,
+            max_seqlen_k=ctx, backend=be))
     paged = {}
     if torch.device(device).type == "cuda":
         pk = paged_copy(k, v, slots, ctx)
@@ -139,7 +153,7 @@ def _rows(op, model, batch, ctx, times, paged, kv_bytes, hbm, *, flops) -> list[
     best_paged = min(ok_paged.values()) if ok_paged else None
     rows = []
     for be, us in times.items():
-        same = ok_paged.get(be)
+        same = ok_paged.get(be.split("@")[0])   # BACKEND@vmm: the same kernel on VMM pages
         tbps = kv_bytes / (us * 1e-6) / 1e12
         rows.append({
             "op": op, "model": model, "batch": batch, "context": ctx, "backend": be, "us": us,
@@ -182,7 +196,7 @@ def run(args) -> int:
                       flush=True)
                 break
             rows = fn(model, shape, batch, ctx, dtype=dtype, device=device, group=args.group_size,
-                      hbm=hbm, flex=args.flex)
+                      hbm=hbm, flex=args.flex, vmm=args.vmm)
             for r in rows:
                 print(_fmt_row(r), flush=True)
                 log.write(json.dumps(r) + "\n")

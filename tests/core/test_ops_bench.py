@@ -87,3 +87,34 @@ def test_targets_report_misses_by_how_much():
     assert "1.050–1.120×" in text and "missed by 5.0 points" in text     # 4K prefill not counted
     assert "90–90 % of copy bandwidth over 1 shapes (target ≥ 85 % met)" in text
     assert "met" in attention.targets([_row("decode", "vllm_fa3", 8, 1, 1.0)])
+
+
+def test_vmm_copy_holds_the_same_rows_on_a_real_virtual_cache():
+    from vattn.core.ops import decode
+    from vattn.core.ops.synthetic import group_views
+    k, v, keep = group_views(slots=4, rows_per_slot=256, group_size=2, kv_heads=2, head_dim=16,
+                             dtype=torch.float32, layer=1, generator=torch.Generator().manual_seed(0))
+    slots = torch.tensor([3, 0, 2])
+    mk, mv, ms, cache = attention.vmm_copy(k, v, slots, 200, group=2)
+    try:
+        assert cache.metrics()["pages_mapped"] > 0            # real pages, not the source memory
+        for dst, src in zip(ms.tolist(), slots.tolist()):
+            assert torch.equal(mk[dst, :200], k[src, :200]) and torch.equal(mv[dst, :200], v[src, :200])
+        q = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(1))
+        lens = torch.tensor([200, 1, 97], dtype=torch.int32)
+        want = decode(q, k, v, slots=slots.to(torch.int32), seqlens=lens, backend="reference")
+        got = decode(q, mk, mv, slots=ms, seqlens=lens, backend="reference")
+        assert torch.equal(got, want)
+    finally:
+        cache.close()
+
+
+def test_bench_attention_vmm_rows_compare_with_the_same_kernel(tmp_path):
+    args = _args(attention, ["--models", "yi-6b", "--contexts", "33", "--batches", "3", "--ops",
+                             "decode", "--dtype", "fp32", "--device", "cpu", "--no-report", "--vmm",
+                             "--out", str(tmp_path)])
+    assert attention.run(args) == 0
+    rows = json.loads((tmp_path / "attention.json").read_text())["results"]
+    assert [r["backend"] for r in rows] == ["reference", "reference@vmm"]
+    assert all(r["us"] > 0 for r in rows)
+    assert "--vmm" in attention._command_args(args)

@@ -2,6 +2,7 @@
 # GPU checks of vattn.core.ops on one H200 (~12 minutes with every stage: split it over two calls
 # with VATTN_STAGES, e.g. "tests" then "attention flex layout"). From the repository root:
 #   OUT=/some/dir [VATTN_STAGES="tests attention flex layout"] [GROUP=4] bash tools/gpu/ops.sh
+# ("vmm": the vattn kernels on a real VirtualKVCache beside the same data in torch memory)
 # vLLM 0.26.0 staged on PYTHONPATH adds the FA3/FA2 kernels and their paged baselines. Run the tests
 # alone on the GPU: beside vLLM engines (sharing the host CPUs) they ran past their limit.
 # Writes $OUT/ops_results.tgz (env, test logs + junit, attention/layout json/md/png, BENCHMARKS.md).
@@ -72,6 +73,14 @@ if has flex; then
     --contexts 8192 --batches 16,64 --prefill-contexts 16384 --group-size "$GROUP" 2>&1 \
     > "$R/flex/attention.txt"
   tail -8 "$R/flex/attention.txt"; pack
+fi
+if has vmm; then   # the same kernels on a real VirtualKVCache (2 MiB pages mapped one by one)
+  echo "== bench attention --vmm (torch memory vs VMM pages, same data, same layout)"
+  mkdir -p "$R/vmm"
+  timeout 300 $PY -u -m vattn bench attention --out "$R/vmm" --no-report --vmm --models llama3-8b \
+    --contexts 1024,8192,32768 --batches 1,64,256 --prefill-contexts 16384 --group-size "$GROUP" \
+    --budget-s 200 > "$R/vmm/attention.txt" 2>&1
+  tail -30 "$R/vmm/attention.txt"; pack
 fi
 if has layout; then
   echo "== bench layout"
