@@ -19,14 +19,14 @@ import glob
 import json
 import os
 
-from vattn.conformance.models import PRESETS, kv_bytes_per_token
+from vattn.conformance.models import PRESETS, kv_bytes_per_token, weight_bytes
 from vattn.core.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "load_results", "markdown", "plot", "decode_bandwidth"]
 
 _ORDER = ("decode-heavy", "prefill-heavy", "long-context")
 #: Llama-3-8B shape, bf16: the bytes a decode step must read besides KV, and KV bytes per token
-_WEIGHT_BYTES_8B = 16.06e9
+_WEIGHT_BYTES_8B = weight_bytes(PRESETS["llama3-8b-shape"])
 _KV_BYTES_PER_TOKEN_8B = kv_bytes_per_token(PRESETS["llama3-8b-shape"])
 
 
@@ -166,7 +166,7 @@ def _identity_text(ident: dict) -> str:
                      f"worst log-prob gap {_fmt(cmp.get('worst_gap'), '.4f')})")
     same = ident.get("same_path_exact")
     if same:
-        lines.append("- pairs on the same FA3 kernel path, expected bit-exact: " + ", ".join(
+        lines.append("- pairs expected bit-exact (same FA3 kernel path, or a mode re-run): " + ", ".join(
             f"{k.replace('_vs_', ' vs ')} {'exact' if v else '**not exact**'}" for k, v in same.items()))
     return "\n".join(lines)
 

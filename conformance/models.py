@@ -18,7 +18,7 @@ import torch
 from vattn.core.errors import ConfigError, UnsupportedError
 
 __all__ = ["PRESETS", "build_model", "instantiate", "saved_weights", "check_not_degenerate", "model_shape",
-           "random_prompts", "kv_bytes_per_token"]
+           "random_prompts", "kv_bytes_per_token", "weight_bytes"]
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -34,6 +34,17 @@ def kv_bytes_per_token(config: dict, elem_bytes: int = 2) -> int:
     """K and V bytes one token holds over all layers of a preset-style ``config`` (bf16 default)."""
     return (config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"]
             * elem_bytes)
+
+
+
+def weight_bytes(config: dict, elem_bytes: int = 2) -> int:
+    """Bytes of a preset-style Llama's weights (untied embeddings; bf16 default): what every
+    decode step reads once."""
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    layer = h * (2 * q + 2 * kv) + 3 * h * inter + 2 * h      # q, o, k, v; gate, up, down; 2 norms
+    return (config["num_hidden_layers"] * layer + 2 * vocab * h + h) * elem_bytes
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

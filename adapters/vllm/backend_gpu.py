@@ -4,8 +4,8 @@ vLLM's own FlashAttention (FA3 on Hopper, via ``vllm.vllm_flash_attn``) in one-p
 mode: the layer's KV is vattn's ``[2, max_slots + 1, rows_per_slot, H, D]`` strided view, the
 block table holds one entry per request (its slot) and the page size is ``rows_per_slot``
 (see :mod:`.slot_tables`). Store and attention are vLLM's own kernels with vLLM's own arguments,
-only the cache tensors and the page size differ, so outputs can match stock ``FLASH_ATTN``
-exactly. Graph-safe: ``forward`` and ``do_kv_cache_update`` launch kernels only.
+only the cache tensors and the page size differ. Measured on the H200 (2026-12-04): outputs
+equal stock ``FLASH_ATTN``'s up to near-ties, not bit for bit (BENCHMARKS.md). Graph-safe: ``forward`` and ``do_kv_cache_update`` launch kernels only.
 
 What differs from stock ``FLASH_ATTN``:
 

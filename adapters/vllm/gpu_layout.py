@@ -24,14 +24,15 @@ PAGE_BYTES = 2 << 20   # the CUDA VMM granularity on Hopper: one physical page
 #: tiles: the TMA path of FA3 loads full tiles, and a tile crossing into an unmapped page faults.
 KV_TILE = 128
 _GROUP_ENV = "VATTN_GROUP_SIZE"
-#: ``VATTN_VLLM_EXACT=1``: run FA3 on the kernel path stock vLLM runs, for bit-identical outputs.
+#: ``VATTN_VLLM_EXACT=1``: run FA3 on the kernel path stock vLLM runs (a diagnostic mode).
 #: FA3 (Hopper) loads a paged KV with TMA only when the page size is a multiple of its key tile
 #: (and the query block is large, i.e. prefill); stock vLLM's 16-token pages never qualify. A
 #: vattn slot region is a multiple of 128 rows, so by default prefill takes the TMA path — faster
-#: (the ceiling's path too) but a different kernel instantiation, hence not bit-identical to stock
-#: (agreement up to near-ties). In exact mode FA3 sees pages of ``rows_per_slot - EXACT_MARGIN``
-#: rows (not a multiple of 128): the non-TMA path, as stock. Each slot region gets
-#: ``EXACT_MARGIN`` spare rows of address space so every request still fits one page.
+#: (the ceiling's path too) but a different kernel instantiation. In exact mode FA3 sees pages of
+#: ``rows_per_slot - EXACT_MARGIN`` rows (not a multiple of 128): the non-TMA path, as stock. Each
+#: slot region gets ``EXACT_MARGIN`` spare rows of address space so every request still fits one
+#: page. Measured on the H200 (2026-12-04): this does *not* make outputs bit-identical to stock
+#: (4 of 16 prompts exact, as in the default mode), so the kernel path is not what differs.
 EXACT_ENV = "VATTN_VLLM_EXACT"
 EXACT_MARGIN = 16
 

@@ -78,3 +78,11 @@ def test_num_requests_override():
     assert len(w.prompts) == 3 and w.max_new_tokens == 256
     with pytest.raises(ConfigError):
         make_workload("identity", size="cpu", vocab_size=10, num=0)
+
+
+def test_weight_and_kv_bytes_of_the_llama3_8b_shape():
+    from vattn.conformance.models import PRESETS, kv_bytes_per_token, weight_bytes
+    shape = PRESETS["llama3-8b-shape"]
+    assert weight_bytes(shape) == 2 * 8_030_261_248      # Llama-3-8B's published parameter count
+    assert weight_bytes(shape, elem_bytes=4) == 4 * 8_030_261_248
+    assert kv_bytes_per_token(shape) == 32 * 2 * 8 * 128 * 2

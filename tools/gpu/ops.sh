@@ -32,7 +32,7 @@ if has tests; then
   # error or a hang in one cannot hide the verdicts of the others; faulthandler prints where a
   # test is stuck after FAULT_S seconds
   # vLLM 0.26.0 ships its FA2 as sm80 code (cubins + PTX): on Hopper the driver JIT-compiles the
-  # PTX at first use (fp16 did not finish in 150 s, 2026-12-04), so that family gets a longer
+  # PTX at first use (first call 185 s in bf16, 112 s in fp16, 2026-12-04), so that family gets a longer
   # limit and a JIT cache large enough to keep what it compiled for the next process
   export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
   run_tests() {  # run_tests NAME FILE [-k EXPR]
