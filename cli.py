@@ -1,4 +1,4 @@
-"""The ``vattn`` command: ``info``, ``bench {vmm,attention,layout}``, ``conformance``."""
+"""The ``vattn`` command: ``info``, ``bench {vmm,attention,layout,host,engine}``, ``conformance``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ _BENCHES = {
     "vmm": ("vattn.bench.vmm", "VMM call latency, map throughput, ensure() critical-path time"),
     "attention": ("vattn.bench.attention", "decode/prefill on virtual KV vs paged kernels"),
     "layout": ("vattn.bench.layout", "layer-group sweep: waste vs speed, recommends G"),
+    "host": ("vattn.bench.host", "host time vattn's vLLM runtime adds per decode-heavy generation"),
     "engine": ("vattn.bench.engine", "end-to-end engine runs (stock / ceiling / vattn) into BENCHMARKS.md"),
 }
 

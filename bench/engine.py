@@ -69,13 +69,16 @@ def load_results(folder: str) -> dict:
     if os.path.exists(os.path.join(folder, "identity.json")):
         with open(os.path.join(folder, "identity.json")) as f:
             identity = json.load(f)
-    if not workloads and identity is None:
-        raise ConfigError(f"--results: {folder!r} holds no throughput_*.json nor identity.json")
+    from vattn.bench.engine_profile import load_profiles
+    profiles = load_profiles(folder)
+    if not workloads and identity is None and not profiles:
+        raise ConfigError(f"--results: {folder!r} holds no throughput_*.json, profile_*.json "
+                          f"nor identity.json")
     env = ""
     if os.path.exists(os.path.join(folder, "env.txt")):
         with open(os.path.join(folder, "env.txt")) as f:
             env = " · ".join(line.strip() for line in f if line.strip())
-    return {"identity": identity, "workloads": workloads, "env": env}
+    return {"identity": identity, "workloads": workloads, "env": env, "profiles": profiles}
 
 
 def _rows(report: dict) -> dict:
@@ -89,25 +92,33 @@ def decode_bandwidth(report: dict, mode: str) -> float | None:
     sampling are counted as free, so this understates what the GPU moved.
     """
     shape = report.get("shape") or []
-    row = _rows(report).get(mode) or {}
-    if len(shape) < 3 or not row.get("seconds"):
+    secs = _seconds(report, mode)
+    if len(shape) < 3 or not secs:
         return None
     num, prompt, new = shape[:3]
     kv = num * sum(prompt + t for t in range(new)) * _KV_BYTES_PER_TOKEN_8B
-    return (new * _WEIGHT_BYTES_8B + kv) / row["seconds"]
+    return (new * _WEIGHT_BYTES_8B + kv) / secs
 
 
 def _fmt(x, spec=".2f", none="—"):
     return none if x is None else format(x, spec)
 
 
+def _seconds(report: dict, mode: str) -> float | None:
+    """A mode's time: the median over its engines when it ran in several (``pooled``), else its
+    one engine's median."""
+    pooled = (report.get("pooled") or {}).get(mode) or {}
+    return pooled.get("median_s") or (_rows(report).get(mode) or {}).get("seconds")
+
+
 def _workload_row(name: str, report: dict, hbm_tbps: float | None) -> str:
     rows = _rows(report)
-    secs = {m: (rows.get(m) or {}).get("seconds") for m in ("stock", "ceiling", "vattn")}
+    secs = {m: _seconds(report, m) for m in ("stock", "ceiling", "vattn")}
     errors = report.get("errors") or {}
     cells = []
     for m in ("stock", "ceiling", "vattn"):
-        tok = (rows.get(m) or {}).get("total_tok_s")
+        row = rows.get(m) or {}
+        tok = row.get("total_tok_s") and row["total_tok_s"] * row["seconds"] / secs[m]
         cells.append(f"{secs[m]:.2f} ({tok / 1e3:.1f}K tok/s)" if secs[m] and tok else
                      f"{secs[m]:.2f}" if secs[m] else ("failed" if m in errors else "not run"))
     v, s, c = secs["vattn"], secs["stock"], secs["ceiling"]
@@ -139,6 +150,16 @@ def markdown(results: dict, *, hbm_tbps: float | None = None, png: str | None = 
         names = sorted(results["workloads"], key=lambda n: (_ORDER.index(n) if n in _ORDER else 9, n))
         lines += [_workload_row(n, results["workloads"][n], hbm_tbps) for n in names]
         lines.append("")
+    from vattn.bench.engine_profile import profile_markdown
+    for name, report in (results.get("profiles") or {}).items():
+        lines += [profile_markdown(name, report), ""]
+    for name, report in results["workloads"].items():
+        for mode, p in (report.get("pooled") or {}).items():
+            lines.append(f"- {name} / {mode}: median of {len(p['seconds_all'])} generations over "
+                         f"{p['engines']} engines, {p['median_s']:.3f} s (all: "
+                         f"{', '.join(f'{t:.3f}' for t in p['seconds_all'])})")
+    if any((r.get("pooled") for r in results["workloads"].values())):
+        lines.append("")
     ident = results["identity"]
     if ident is not None:
         lines.append("Identity: " + _identity_text(ident))
@@ -164,6 +185,10 @@ def _identity_text(ident: dict) -> str:
                      f"{_fmt(rate, '.3f')}, token match rate {_fmt(cmp.get('token_match_rate'), '.4f')}, "
                      f"near-ties {cmp.get('near_ties')}, mismatches {len(cmp.get('mismatches') or [])}, "
                      f"worst log-prob gap {_fmt(cmp.get('worst_gap'), '.4f')})")
+    exact = ident.get("exact_pairs")
+    if exact:
+        lines.append("- every pair, exact or not: " + ", ".join(
+            f"{k.replace('_vs_', ' vs ')} {'exact' if v else 'not exact'}" for k, v in exact.items()))
     same = ident.get("same_path_exact")
     if same:
         lines.append("- pairs expected bit-exact (same FA3 kernel path, or a mode re-run): " + ", ".join(
@@ -180,10 +205,10 @@ def plot(results: dict, path: str) -> str | None:
         sorted(n for n in results["workloads"] if n not in _ORDER)
     data = {}
     for n in names:
-        rows = _rows(results["workloads"][n])
-        base = (rows.get("stock") or {}).get("seconds")
-        data[n] = {m: base / rows[m]["seconds"] for m in ("ceiling", "vattn")
-                   if base and (rows.get(m) or {}).get("seconds")}
+        report = results["workloads"][n]
+        base = _seconds(report, "stock")
+        data[n] = {m: base / _seconds(report, m) for m in ("ceiling", "vattn")
+                   if base and _seconds(report, m)}
     if not any(data.values()):
         return None
     fig, ax = plt.subplots(figsize=(7, 3.6))
@@ -222,8 +247,8 @@ def run(args) -> int:
     if not args.no_report:
         title = args.title or f"{args.engine} end to end (stock vs ceiling vs vattn)"
         command = args.command or f"bash tools/gpu/{args.engine}.sh"
-        dates = sorted({r.get("date") for r in [*results["workloads"].values(), results["identity"] or {}]
-                        if r.get("date")})
+        dates = sorted({r.get("date") for r in [*results["workloads"].values(), results["identity"] or {},
+                                                 *results["profiles"].values()] if r.get("date")})
         env = {"date": args.date or " – ".join(dates) or "not recorded", "machine": results["env"] or "not recorded"}
         write_section(title, body, command + f"\nvattn bench engine --results <dir> --engine {args.engine}",
                       path=args.benchmarks, env=env)

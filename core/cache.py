@@ -87,6 +87,7 @@ class VirtualKVCache:
         n = lay.num_va_slots
         self._active = np.zeros(n, dtype=bool)
         self._tenant: list = [None] * n
+        self._one_tenant = True     # every slot has only ever had the tenant None (the common case)
         self._length = np.zeros(n, dtype=np.int64)
         self._fence: list = [None] * n
         self._released_at = np.zeros(n, dtype=np.int64)
@@ -171,18 +172,26 @@ class VirtualKVCache:
             slot = self._best_fit(idle, need, tenant)
             while slot in self._inflight:
                 self._cond.wait()
+            previous = self._tenant[slot]
+            self._one_tenant &= tenant is None
             self._active[slot], self._tenant[slot], self._length[slot] = True, tenant, 0
             if self._pages.usable(slot):
                 self._counters.warm_hits += 1
-                self._pages.retag(slot, tenant)
+                # a slot's pages all carry its last tenant (tagged when mapped or retagged); the
+                # same tenant again needs no pass over them unless every reuse is scrubbed
+                if self.config.scrub == "always" or previous is not tenant:
+                    self._pages.retag(slot, tenant)
             return slot
 
     def _best_fit(self, idle: np.ndarray, need: int, tenant) -> int:
         """The idle slot to hand out: enough warm page-sets first, then any warm ones, then the
         closest count, the same tenant, the longest idle (vectorised: one call per admission)."""
         have = self._pages.usable_n[idle]
-        other = np.fromiter((self._tenant[s] != tenant for s in idle.tolist()), dtype=bool,
-                            count=idle.size)
+        if self._one_tenant and tenant is None:     # no slot has another tenant: skip the loop
+            other = np.zeros(idle.size, dtype=bool)
+        else:
+            other = np.fromiter((self._tenant[s] != tenant for s in idle.tolist()), dtype=bool,
+                                count=idle.size)
         order = np.lexsort((self._released_at[idle], other, np.abs(have - need), have == 0, have < need))
         return int(idle[order[0]])
 

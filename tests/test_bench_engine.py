@@ -75,3 +75,24 @@ def test_bad_results_folder_is_a_typed_error(tmp_path):
         engine.load_results(str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="holds no"):
         engine.load_results(str(tmp_path))
+
+
+def test_engines_of_a_mode_pooled_and_used_by_the_table(tmp_path):
+    from vattn.adapters.vllm.gpu_report import pool_engines
+    rows = {"stock": {"seconds": 11.0, "seconds_each": [11.2, 11.0]},
+            "vattn": {"seconds": 10.9, "seconds_each": [10.9, 11.1]},
+            "ceiling": {"seconds": 10.8, "seconds_each": [10.8, 10.85]},
+            "stock@2": {"seconds": 11.1, "seconds_each": [11.1, 11.3]},
+            "vattn@2": {"seconds": 11.0, "seconds_each": [11.0, 11.05]}}
+    pooled = pool_engines(rows)
+    assert set(pooled) == {"stock", "vattn"}                 # the ceiling ran in one engine only
+    assert pooled["stock"] == {"engines": 2, "seconds_all": [11.0, 11.1, 11.2, 11.3],
+                               "median_s": 11.15, "ratio": 1.0}
+    assert pooled["vattn"]["median_s"] == 11.025 and pooled["vattn"]["ratio"] == round(11.15 / 11.025, 4)
+    assert pool_engines({"vattn@2": {"seconds": 1.0}}) == {}   # one engine: nothing to pool
+    report = _throughput("decode-heavy", [256, 512, 512, 256], {"stock": 11.0, "ceiling": 10.8, "vattn": 10.9})
+    report["pooled"] = pooled
+    md = engine.markdown({"identity": None, "workloads": {"decode-heavy": report}, "env": ""})
+    row = next(l for l in md.splitlines() if l.startswith("| decode-heavy"))
+    assert f"**{11.15 / 11.025:.4f}×**" in row and f"{10.8 / 11.025:.4f}×" in row
+    assert "decode-heavy / stock: median of 4 generations over 2 engines, 11.150 s" in md

@@ -11,12 +11,16 @@ leave it unset so they are untouched stock vLLM. Modes:
   (see :data:`.gpu_layout.EXACT_ENV`).
 
 ``MODE@N`` (e.g. ``stock@2``) runs a mode once more in a fresh engine: is it reproducible itself?
+``vattn:gG`` (or ``vattn-exact:gG``) runs the vattn mode with ``G`` layers per VA range
+(``VATTN_GROUP_SIZE=G`` in its engine): layouts compared side by side in one run, e.g.
+``stock vattn vattn:g2 ceiling``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,13 +57,17 @@ class VllmRunner:
         Where each run's full stdout/stderr is written (``vllm_<tag>_<mode>.log``).
     tag : str
         Names the log files of this runner's runs.
+    engine_env : dict, optional
+        Environment of every engine process on top of this one's (e.g.
+        ``{"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}``: the engine core in the worker process, so
+        all prompts are queued before its first step).
     """
 
     name = "vllm"
 
     def __init__(self, *, device: str | None = None, max_num_seqs: int = 16, timeout_s: float = 900.0,
                  engine_args: dict | None = None, modes: tuple[str, ...] | None = None,
-                 log_dir: str | None = None, tag: str = "run"):
+                 log_dir: str | None = None, tag: str = "run", engine_env: dict | None = None):
         if device is None:
             import torch
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,12 +76,14 @@ class VllmRunner:
                    else ("stock", "vattn"))
         if modes is not None and (not modes or not {_base(m) for m in modes} <= set(offered)):
             raise ConfigError(f"vllm modes must be a non-empty subset of {offered} on {device} "
-                              f"(a mode again in a fresh engine as MODE@N, e.g. stock@2), got {modes}")
+                              f"(a mode again in a fresh engine as MODE@N, e.g. stock@2; vattn with G layers per "
+                              f"VA range as vattn:gG), got {modes}")
         self.modes = tuple(modes) if modes is not None else offered
         self.log_dir, self.tag = log_dir, tag
         self.max_num_seqs = max_num_seqs
         self.timeout_s = timeout_s
         self.engine_args = dict(engine_args or {})
+        self.engine_env = {str(k): str(v) for k, v in (engine_env or {}).items()}
 
     def run(self, mode: str, model_dir: str, prompts: list[list[int]], max_new_tokens: int, *,
             logprobs: int = 5, device: str = "cpu", dtype: str = "float32",
@@ -92,9 +102,12 @@ class VllmRunner:
         return RunResult(**self._spawn(spec))
 
     def _spawn(self, spec: dict) -> dict:
-        env = dict(os.environ)
+        env = dict(os.environ) | self.engine_env
         env.pop("VATTN_VLLM", None)
         env.pop("VATTN_VLLM_EXACT", None)
+        group = _group(spec.get("run_name", spec["mode"]))
+        if group is not None:
+            env["VATTN_GROUP_SIZE"] = str(group)
         if spec["mode"] in ("vattn", "vattn-exact"):
             env["VATTN_VLLM"] = "1"
             env["VATTN_VLLM_EXACT"] = "1" if spec["mode"] == "vattn-exact" else "0"
@@ -128,9 +141,24 @@ class VllmRunner:
 
 
 def _base(mode: str) -> str:
-    """``stock@2`` -> ``stock``: the same mode once more, in a fresh engine (run-to-run check)."""
+    """``stock@2`` -> ``stock``: the same mode once more, in a fresh engine (run-to-run check);
+    ``vattn:g2`` (or ``vattn:g2@2``) -> ``vattn``: the vattn mode with another layer group size."""
     base, _, again = mode.partition("@")
-    return base if again.isdigit() else mode
+    if again and not again.isdigit():
+        return mode
+    name, _, group = base.partition(":")
+    if group:
+        return name if name in ("vattn", "vattn-exact") and _GROUP.fullmatch(group) else mode
+    return base
+
+
+_GROUP = re.compile(r"g([1-9][0-9]*)")
+
+
+def _group(mode: str) -> int | None:
+    """The layer group size of a ``vattn:gG`` mode, ``None`` for any other mode."""
+    m = _GROUP.fullmatch(mode.partition("@")[0].partition(":")[2])
+    return int(m.group(1)) if m and _base(mode) != mode else None
 
 
 def _run_group(cmd: list[str], env: dict, timeout_s: float,

@@ -8,7 +8,7 @@ import re
 from vattn.conformance.models import PRESETS, kv_bytes_per_token
 
 __all__ = ["waste_per_request", "vmm_summary", "jit_during_inference", "parse_profiler_table",
-           "kernel_summary"]
+           "kernel_summary", "pool_engines"]
 
 _BYTES_PER_TOKEN_8B = kv_bytes_per_token(PRESETS["llama3-8b-shape"])   # all layers, K and V, bf16
 
@@ -25,6 +25,28 @@ def waste_per_request(mode: str, *, max_model_len: int, shortest: int, metrics: 
     if mode == "ceiling":
         return (max_model_len - shortest) * _BYTES_PER_TOKEN_8B   # one max_model_len block each
     return int(((metrics or {}).get("layout") or {}).get("worst_waste_bytes", -1))
+
+
+def pool_engines(rows: dict) -> dict:
+    """Every timed generation of a mode pooled over its engines (``MODE`` and its re-runs
+    ``MODE@N``, e.g. ``stock vattn stock@2 vattn@2``: modes interleaved, so a drift of the machine
+    during the call hits each alike): ``{mode: {engines, seconds_all, median_s, ratio}}`` for the
+    modes run in more than one engine; ``ratio`` = stock's pooled median / this one's."""
+    import statistics
+    groups: dict[str, list] = {}
+    for name, row in rows.items():
+        times = row.get("seconds_each") or ([row["seconds"]] if row.get("seconds") else [])
+        groups.setdefault(name.split("@")[0], []).append(times)
+    pooled = {}
+    for mode, runs in groups.items():
+        if len(runs) > 1 and all(runs):
+            flat = sorted(t for run in runs for t in run)
+            pooled[mode] = {"engines": len(runs), "seconds_all": flat,
+                            "median_s": round(statistics.median(flat), 4)}
+    base = (pooled.get("stock") or {}).get("median_s")
+    for row in pooled.values():
+        row["ratio"] = round(base / row["median_s"], 4) if base else None
+    return pooled
 
 
 def vmm_summary(m: dict) -> dict:
@@ -95,9 +117,15 @@ _FAMILIES = (("kv store", ("reshape_and_cache",)),
              ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")))
 
 
+#: rows that are not kernels: framework ops (``aten::mm``: its kernels are rows of their own too)
+#: and vLLM's step annotations (``execute_context_...``: the span of a whole step)
+_NOT_KERNELS = re.compile(r"^[A-Za-z_][\w.]*::|^execute_")
+
+
 def kernel_summary(rows: list[dict], top: int = 12) -> dict:
-    """GPU time per kernel family and the ``top`` kernels of a profiler table's rows."""
-    kernels = [r for r in rows if r["self_cuda_us"] > 0]
+    """GPU time per kernel family and the ``top`` kernels of a profiler table's rows (kernels
+    only: op and annotation rows would count the same GPU time twice)."""
+    kernels = [r for r in rows if r["self_cuda_us"] > 0 and not _NOT_KERNELS.match(r["name"])]
     families: dict[str, float] = {}
     for r in kernels:
         family = next((f for f, keys in _FAMILIES if any(k in r["name"] for k in keys)), "other")

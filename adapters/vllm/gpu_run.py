@@ -7,14 +7,21 @@
 * ``identity``: 8-layer model with Llama-3-8B attention shapes and random weights (std 0.02),
   modes of ``VATTN_IDENTITY_MODES`` (default ``stock vattn-exact vattn ceiling``; ``MODE@N`` runs
   a mode again in a fresh engine, compared with its first run), CUDA graphs
-  unless ``VATTN_IDENTITY_EAGER=1``; every mode judged against stock by
+  unless ``VATTN_IDENTITY_EAGER=1``, the engine core in the worker process unless
+  ``VATTN_IDENTITY_INPROC=0`` (vLLM's engine loop steps as soon as it holds a request, so with
+  an engine process of its own the first batches depend on when the prompts reach it; run so,
+  stock against a second stock engine was exact on 4 of 16 prompts, 2026-12-04); every mode
+  judged against stock by
   :func:`vattn.conformance.identity.compare`, and ``vattn`` against ``ceiling`` (both run FA3's
   TMA prefill path, stock and ``vattn-exact`` its non-TMA one: see
   :data:`.gpu_layout.EXACT_ENV`);
 * ``throughput``: Llama-3-8B shape, ``load_format="dummy"``, modes ``stock vattn ceiling`` (or
   ``VATTN_MODES``; the ceiling last: it is the column to lose if time runs out) on one of
   :data:`WORKLOADS`; each engine runs the batch ``VATTN_REPEATS`` times (default 2) and reports
-  the median (of 2: the faster), every run's time kept in ``seconds_each``;
+  the median (of 2: the faster), every run's time kept in ``seconds_each``; with re-runs
+  (``VATTN_MODES="stock vattn ceiling stock@2 vattn@2 ceiling@2"``: interleaved engines, so a
+  drift of the machine hits every mode alike) ``pooled`` has each mode's median over all its
+  engines' generations;
 * ``profile``: the throughput setup, each mode once more under vLLM's torch profiler for a
   window of engine steps: GPU time per kernel family (attention, KV store, GEMM, vattn's slot
   tables, other) and the top kernels, to find where a mode loses time.
@@ -36,8 +43,8 @@ import time
 from vattn.conformance.models import PRESETS
 
 from .gpu_modes import env_modes as _modes, make_runner as _runner, run_all as _run_all
-from .gpu_report import (jit_during_inference, kernel_summary, parse_profiler_table, vmm_summary,
-                         waste_per_request)
+from .gpu_report import (jit_during_inference, kernel_summary, parse_profiler_table, pool_engines,
+                         vmm_summary, waste_per_request)
 
 __all__ = ["WORKLOADS", "LLAMA3_8B", "IDENTITY_MODEL", "waste_per_request", "main"]
 
@@ -96,11 +103,16 @@ def stage_identity(args) -> dict:
     lengths = [64 + (i * 389) % 1800 for i in range(16)]          # crosses many 128-token pages
     prompts = random_prompts(16, lengths, vocab_size=IDENTITY_MODEL["vocab_size"], seed=5)
     eager = os.environ.get("VATTN_IDENTITY_EAGER", "0") == "1"
+    # in-process engine core: every prompt is queued before the first step, so the batches (and
+    # the chunking of each prompt) do not depend on when requests reach a separate engine process
+    inproc = os.environ.get("VATTN_IDENTITY_INPROC", "1") == "1"
     runner = _runner(args.out, "identity", 8, _modes("VATTN_IDENTITY_MODES",
                                                      "stock vattn-exact vattn ceiling"),
-                     enforce_eager=eager)
+                     enforce_eager=eager,
+                     engine_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if inproc else None)
     results, errors = _run_all(runner, model, prompts, 48, logprobs=5)
-    report = {"eager": eager, "errors": errors, "modes": list(results), "ok": not errors}
+    report = {"eager": eager, "inproc": inproc, "errors": errors, "modes": list(results),
+              "ok": not errors}
     if "stock" in results:
         report["not_degenerate"] = check_not_degenerate(results["stock"].token_ids)
         report["ok"] &= report["not_degenerate"]["ok"]
@@ -118,6 +130,9 @@ def stage_identity(args) -> dict:
             report["ok"] &= cmp["ok"]
             if (base, mode) in same_path:
                 report["same_path_exact"][f"{mode}_vs_{base}"] = cmp["exact"]
+    names = list(results)   # every pair, exact or not: which runs agree with which
+    report["exact_pairs"] = {f"{b}_vs_{a}": results[a].token_ids == results[b].token_ids
+                             for i, a in enumerate(names) for b in names[i + 1:]}
     report["jit_during_inference"] = {m: jit_during_inference(runner.log_path(m)) for m in results}
     for mode in ("vattn", "vattn-exact"):
         if mode in results:
@@ -148,6 +163,7 @@ def stage_throughput(args) -> dict:
                     mode, max_model_len=max_len, shortest=plen + 1, metrics=metrics) / 2**20}
         if metrics:
             row["vmm_critical_path"] = vmm_summary(metrics)
+    report["pooled"] = pool_engines(report["rows"])   # MODE@N re-runs: every generation pooled
     return report
 
 

@@ -106,8 +106,9 @@ class SlotTables:
         """
         n = idx_mapping.shape[0]
         col = self.block_table[:, 0]
-        col[:n].copy_(self._slot_dev[idx_mapping.long()])
-        col[n:num_reqs_padded].fill_(self.padding_slot)
+        torch.index_select(self._slot_dev, 0, idx_mapping, out=col[:n])   # one kernel, in place
+        if num_reqs_padded > n:
+            col[n:num_reqs_padded].fill_(self.padding_slot)
         return self.block_table[:num_reqs_padded]
 
     def compute_slot_mapping(self, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,

@@ -258,3 +258,25 @@ def test_prewarm_never_maps_past_a_slot_region():
         cache.audit()
         with pytest.raises(ValueError, match="at most"):
             cache._pages.grow(0, per_slot + 1, None, ahead=False)
+
+
+def test_tenant_preference_and_scrub_when_tenants_start_to_differ():
+    with make_cache() as cache:
+        x, y = cache.acquire(), cache.acquire()                 # tenant None (single-tenant so far)
+        cache.ensure({x: 100, y: 100})
+        cache.k(0)[x, :100] = 4
+        cache.k(0)[y, :100] = 4
+        cache.release(x); cache.release(y)
+        again = cache.acquire(expected_len=100)                  # same tenant None: data kept
+        assert bool((cache.k(0)[again, :100] == 4).all())
+        cache.release(again)
+        a = cache.acquire(tenant="a", expected_len=100)          # a new tenant: scrubbed
+        assert a in (x, y) and cache.k(0)[a, :100].abs().sum().item() == 0
+        cache.k(0)[a, :100] = 6
+        cache.release(a)
+        other = ({x, y} - {a}).pop()
+        assert cache.acquire(tenant="a", expected_len=100) == a  # its own warm slot first
+        assert bool((cache.k(0)[a, :100] == 6).all())
+        assert cache.acquire(expected_len=100) == other          # None's slot for None
+        assert bool((cache.k(0)[other, :100] == 4).all())
+        cache.audit()

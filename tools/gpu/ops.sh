@@ -43,11 +43,15 @@ if has tests; then
       > "$R/gpu_tests_$name.txt" 2>&1
     echo "rc=$?" >> "$R/gpu_tests_$name.txt"
   }
+  # TEST_FAMILIES: which kernel families to test (default all three; "others" = Triton, torch FA2,
+  # SDPA); leaving vllm_fa2 out saves its minutes of JIT
+  FAMILIES=" ${TEST_FAMILIES:-others vllm_fa3 vllm_fa2} "
   OTHERS="not vllm_fa3 and not vllm_fa2"
-  run_tests store store &
+  [[ $FAMILIES == *" others "* ]] && run_tests store store &
   for f in decode prefill; do
-    run_tests "$f" "$f" -k "$OTHERS" & run_tests "${f}_vllm_fa3" "$f" -k vllm_fa3 &
-    run_tests "${f}_vllm_fa2" "$f" -k vllm_fa2 &
+    [[ $FAMILIES == *" others "* ]] && run_tests "$f" "$f" -k "$OTHERS" &
+    [[ $FAMILIES == *" vllm_fa3 "* ]] && run_tests "${f}_vllm_fa3" "$f" -k vllm_fa3 &
+    [[ $FAMILIES == *" vllm_fa2 "* ]] && run_tests "${f}_vllm_fa2" "$f" -k vllm_fa2 &
   done
   wait
   for f in "$R"/gpu_tests_*.txt; do echo "== $(basename "$f" .txt)"; grep -E "passed|failed|error|rc=|Timeout" "$f" | tail -3; done
@@ -78,14 +82,16 @@ if has vmm; then   # the same kernels on a real VirtualKVCache (2 MiB pages mapp
   echo "== bench attention --vmm (torch memory vs VMM pages, same data, same layout)"
   mkdir -p "$R/vmm"
   timeout 300 $PY -u -m vattn bench attention --out "$R/vmm" --no-report --vmm --models llama3-8b \
-    --contexts 1024,8192,32768 --batches 1,64,256 --prefill-contexts 16384 --group-size "$GROUP" \
-    --budget-s 200 > "$R/vmm/attention.txt" 2>&1
+    --contexts "${VMM_CONTEXTS:-1024,8192,32768}" --batches "${VMM_BATCHES:-1,64,256}" \
+    --prefill-contexts "${VMM_PREFILL:-16384}" --group-size "$GROUP" \
+    --budget-s "${VMM_BUDGET:-200}" > "$R/vmm/attention.txt" 2>&1
   tail -30 "$R/vmm/attention.txt"; pack
 fi
 if has layout; then
   echo "== bench layout"
-  bench layout 200 --model-shape llama3-8b --groups split,1,2,4,8,all \
-    --decode-cases 128x2048,32x8192,8x32768 --prefill-cases 1x16384 > "$R/layout.txt"
+  bench layout 200 --model-shape llama3-8b --groups "${LAYOUT_GROUPS:-split,1,2,4,8,all}" \
+    --decode-cases "${LAYOUT_DECODE:-128x2048,32x8192,8x32768}" \
+    --prefill-cases "${LAYOUT_PREFILL-1x16384}" > "$R/layout.txt"
   tail -14 "$R/layout.txt"; pack
 fi
 pack

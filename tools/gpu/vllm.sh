@@ -10,7 +10,8 @@
 #                    mode under vLLM's torch profiler, GPU time per kernel family)
 #   VATTN_WORKLOADS  throughput workloads (default "decode-heavy"; also "prefill-heavy long-context")
 #   VATTN_BUDGET_S   wall budget of the script (default 530 s): a stage is skipped, and says so,
-#                    when less than its minimum time is left
+#                    when less than its minimum time is left; VATTN_STAGE_MAX_S caps one
+#                    throughput workload (default 480 s; long-context with three modes needs ~560)
 #   VATTN_MODES / VATTN_IDENTITY_MODES / VATTN_IDENTITY_EAGER / VATTN_GROUP_SIZE / VATTN_REPEATS /
 #   VATTN_CUDAGRAPH_MODE (e.g. PIECEWISE, all modes alike): see adapters/vllm/gpu_run.py
 # Measured on the H200 (2026-12-04; engine start 45-55 s for the 8B shape with torch.compile +
@@ -62,7 +63,7 @@ for stage in ${VATTN_STAGES:-smoke identity throughput}; do
     identity) run_stage identity 120 570 $G identity --out "$R" ;;
     throughput)
       for w in ${VATTN_WORKLOADS:-decode-heavy}; do
-        run_stage "throughput_$w" 200 480 $G throughput --workload "$w" --out "$R"
+        run_stage "throughput_$w" 200 "${VATTN_STAGE_MAX_S:-480}" $G throughput --workload "$w" --out "$R"
       done ;;
     profile)   # where the time goes, per kernel family and mode (see gpu_run.stage_profile)
       for w in ${VATTN_WORKLOADS:-decode-heavy}; do

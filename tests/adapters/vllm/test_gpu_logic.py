@@ -216,8 +216,11 @@ def test_identity_report_compares_each_mode_with_stock_and_vattn_with_the_ceilin
         return [[{t: -0.5, (1 if t != 1 else base[i][k]): -0.52} for k, t in enumerate(row)]
                 for i, row in enumerate(rows)]
 
+    seen_env = []
+
     def fake_run_all(runner, model, prompts, new, *, logprobs):
         assert runner.modes == ("stock", "vattn-exact", "vattn", "ceiling")
+        seen_env.append(runner.engine_env)
         rows = {"stock": base, "vattn-exact": base, "vattn": tied, "ceiling": tied}
         return {m: RunResult(r, logprobs_of[m], 1.0, 10, 24, {"vattn_metrics": {"m": m}})
                 for m, r in rows.items()}, {}
@@ -228,6 +231,7 @@ def test_identity_report_compares_each_mode_with_stock_and_vattn_with_the_ceilin
     monkeypatch.setattr("vattn.conformance.models.build_model", lambda *a, **kw: str(tmp_path))
     monkeypatch.setattr("vattn.conformance.models.check_not_degenerate", lambda ids: {"ok": True})
     monkeypatch.delenv("VATTN_IDENTITY_MODES", raising=False)
+    monkeypatch.delenv("VATTN_IDENTITY_INPROC", raising=False)
     report = gpu_run.stage_identity(NS(models=str(tmp_path), out=str(tmp_path)))
     assert report["ok"]
     assert report["vattn-exact_vs_stock"]["exact"] and report["vattn_vs_ceiling"]["exact"]
@@ -235,6 +239,10 @@ def test_identity_report_compares_each_mode_with_stock_and_vattn_with_the_ceilin
     assert report["vattn_vs_stock"]["first_divergence"] == [None, None, 4, None]
     assert report["same_path_exact"] == {"vattn-exact_vs_stock": True, "vattn_vs_ceiling": True}
     assert report["vattn_metrics"] == {"m": "vattn"} and report["vattn-exact_metrics"] == {"m": "vattn-exact"}
+    assert report["exact_pairs"] == {"vattn-exact_vs_stock": True, "vattn_vs_stock": False,
+                                     "ceiling_vs_stock": False, "vattn_vs_vattn-exact": False,
+                                     "ceiling_vs_vattn-exact": False, "ceiling_vs_vattn": True}
+    assert report["inproc"] and seen_env == [{"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}]
 
 
 def test_jit_during_inference_reads_vllms_monitor_lines(tmp_path):
@@ -262,6 +270,31 @@ def test_runner_mode_again_names_its_base_mode():
         VllmRunner(device="cuda", modes=("stock", "bogus@2"))
 
 
+def test_runner_group_variant_sets_the_group_size_of_its_engine(monkeypatch):
+    from vattn.adapters.vllm import conformance as conf
+    assert conf._base("vattn:g2") == "vattn" and conf._base("vattn-exact:g1@2") == "vattn-exact"
+    assert conf._group("vattn:g2") == 2 and conf._group("vattn:g8@3") == 8
+    assert conf._group("vattn") is None and conf._group("stock@2") is None
+    for bad in ("stock:g2", "vattn:g0", "vattn:gx", "vattn:2", "vattn:g2@x"):
+        assert conf._base(bad) == bad and conf._group(bad) is None
+        with pytest.raises(ConfigError, match="vattn:gG"):
+            conf.VllmRunner(device="cuda", modes=("stock", bad))
+    seen = {}
+
+    def fake_run(cmd, env, timeout_s, log=None):   # the engine's environment, no engine
+        seen[env.get("VATTN_GROUP_SIZE")] = (env.get("VATTN_VLLM"), env.get("VLLM_ENABLE_V1_MULTIPROCESSING"))
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(conf, "_run_group", fake_run)
+    monkeypatch.delenv("VATTN_GROUP_SIZE", raising=False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    runner = conf.VllmRunner(device="cuda", modes=("vattn", "vattn:g2"), log_dir=None,
+                             engine_env={"VLLM_ENABLE_V1_MULTIPROCESSING": 0})
+    for mode in runner.modes:
+        with pytest.raises(RuntimeError, match="stop here"):
+            runner.run(mode, "m", [[1, 2]], 1)
+    assert seen == {None: ("1", "0"), "2": ("1", "0")}   # engine_env wins over this process's
+
+
 _RULE = "  ".join(["-" * 55] + ["-" * 12] * 10) + "  "
 _HEAD = ["Name", "Self CPU %", "Self CPU", "CPU total %", "CPU total", "CPU time avg", "Self CUDA",
          "Self CUDA %", "CUDA total", "CUDA time avg", "# of Calls"]
@@ -284,9 +317,11 @@ def test_profiler_table_parsed_into_kernel_families():
                    ("void vllm::reshape_and_cache_flash_kernel<__nv_bfl...", "850.000us", 2048),
                    ("_slot_mapping_kernel", "12.000us", 64),
                    ("cudaGraphLaunch", "0.000us", 64),
-                   ("triton_red_fused_add_rms_norm_0", "900ns", 10)])
+                   ("triton_red_fused_add_rms_norm_0", "900ns", 10),
+                   ("aten::mm", "6.000ms", 16),                          # an op: its kernel is a row too
+                   ("execute_context_0(0)_generation_256(256)", "200.000ms", 16)])   # a step's span
     rows = parse_profiler_table(text)
-    assert [r["calls"] for r in rows] == [2048, 4096, 2048, 64, 64, 10]
+    assert [r["calls"] for r in rows] == [2048, 4096, 2048, 64, 64, 10, 16, 16]
     assert rows[0]["name"].startswith("void flash::FlashAttnFwdSm90")
     assert rows[1]["self_cuda_us"] == 1.5e6 and rows[5]["self_cuda_us"] == 0.9
     summary = kernel_summary(rows, top=2)

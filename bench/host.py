@@ -1,0 +1,120 @@
+"""``vattn bench host``: the host time vattn's vLLM runtime adds to an engine step.
+
+Drives :class:`vattn.adapters.vllm.gpu_runtime.GpuRuntime` (engine-free) through the calls
+vLLM's V2 runner makes in a generation of the decode-heavy workload: every request receives its
+prompt's blocks, then each step one ``apply`` and the slot tables (``gather_block_table``,
+``compute_slot_mapping``), a request receiving a block whenever its length crosses one, and every
+request released at the end. When an engine step is host-bound, this time adds to it one for one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from tqdm import tqdm
+
+from .report import command_line, write_section
+
+__all__ = ["add_arguments", "run", "generation"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=256, help="requests of the generation")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=512, help="tokens generated per request")
+    parser.add_argument("--generations", type=int, default=3, help="timed generations (after one warm-up)")
+    parser.add_argument("--benchmarks", default="BENCHMARKS.md", help="file to write the section to")
+    parser.add_argument("--no-report", action="store_true", help="print only, leave BENCHMARKS.md")
+    parser.add_argument("--json", default=None, help="also write the raw numbers here")
+
+
+def _runtime(device: str, batch: int, max_len: int):
+    """Llama-3-8B's page arithmetic (G=4: 128 tokens per 2 MiB page-set row) on CUDA; on the host
+    backend the same 128 tokens per page with 1 KV head of 64 fp32 values and 256 KiB pages."""
+    from vattn.adapters.vllm.gpu_runtime import GpuRuntime
+    from vattn.core import KVCacheConfig
+    cuda = torch.device(device).type == "cuda"
+    heads, dim, dtype, page = (8, 128, torch.bfloat16, 2 << 20) if cuda else (1, 64, torch.float32, 256 << 10)
+    block = 128
+    context = -(-max_len // block) * block
+    pages_per_set = 32 // 4
+    cfg = KVCacheConfig(num_layers=32, num_kv_heads=heads, head_dim=dim, dtype=dtype, max_slots=batch,
+                        max_context=context, group_size=4, page_budget=(batch * context // block + 1)
+                        * pages_per_set * page, page_bytes=page, device=device, map_ahead_tokens=0)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(32)]
+    return GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max(batch, 8192))
+
+
+def generation(rt, *, batch: int, prompt: int, new: int) -> dict:
+    """One generation's bookkeeping; ``{name: host seconds}`` of each kind of call."""
+    device, block = rt.cache.config.torch_device, rt.block_size
+    spent = {"on_blocks": 0.0, "apply": 0.0, "tables": 0.0, "release": 0.0}
+    idx = torch.arange(batch, dtype=torch.int32, device=device)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    held = 0                                            # blocks each request holds (all alike)
+    for step in range(new):
+        length = prompt + step + 1                      # tokens each request holds after this step
+        need = -(-length // block)
+        t0 = time.perf_counter()
+        if need != held:
+            for i in range(batch):
+                rt.on_blocks(i, need, new_request=held == 0)
+            held = need
+        t1 = time.perf_counter()
+        rt.apply()
+        t2 = time.perf_counter()
+        pos = torch.full((batch,), length - 1, dtype=torch.int64, device=device)
+        rt.tables.gather_block_table(idx, batch)
+        rt.tables.compute_slot_mapping(idx, qsl, pos, batch)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()   # launches done; kernels are not host time
+        t3 = time.perf_counter()
+        spent["on_blocks"] += t1 - t0
+        spent["apply"] += t2 - t1
+        spent["tables"] += t3 - t2
+    t0 = time.perf_counter()
+    for i in range(batch):
+        rt.release(i)
+    spent["release"] = time.perf_counter() - t0
+    return spent
+
+
+def run(args) -> int:
+    for name in ("batch", "prompt", "new", "generations"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
+    rt = _runtime(args.device, args.batch, args.prompt + args.new)
+    try:
+        generation(rt, batch=args.batch, prompt=args.prompt, new=args.new)          # warm-up
+        rt.step_us.__init__(), rt.blocks_us.__init__()
+        runs = [generation(rt, batch=args.batch, prompt=args.prompt, new=args.new)
+                for _ in tqdm(range(args.generations), desc="generations", leave=False)]
+        m = rt.metrics()
+    finally:
+        rt.close()
+    per_gen = {k: sorted(r[k] for r in runs)[len(runs) // 2] * 1e3 for k in runs[0]}
+    result = {"device": args.device, "batch": args.batch, "prompt": args.prompt, "new": args.new,
+              "ms_per_generation": {k: round(v, 2) for k, v in per_gen.items()},
+              "total_ms_per_generation": round(sum(per_gen.values()), 2),
+              "us_per_step": round(sum(per_gen.values()) * 1e3 / args.new, 2),
+              "on_blocks_calls": m["on_blocks_us"]["count"] // args.generations,
+              "on_blocks_mean_us": round(m["on_blocks_us"]["mean_us"], 2),
+              "apply_mean_us": round(m["apply_step_us"]["mean_us"], 2)}
+    md = (f"vattn's host work in one decode-heavy generation ({args.batch} requests, {args.prompt} in / "
+          f"{args.new} out, median of {args.generations}, {args.device} backend):\n\n"
+          "| on_blocks ms | apply ms | slot tables ms | release ms | total ms | µs per step | "
+          "on_blocks calls | µs per on_blocks | µs per apply |\n|---|---|---|---|---|---|---|---|---|\n"
+          f"| {per_gen['on_blocks']:.2f} | {per_gen['apply']:.2f} | {per_gen['tables']:.2f} | "
+          f"{per_gen['release']:.2f} | {result['total_ms_per_generation']:.2f} | {result['us_per_step']:.1f} | "
+          f"{result['on_blocks_calls']} | {result['on_blocks_mean_us']:.2f} | {result['apply_mean_us']:.2f} |\n")
+    print(md)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if not args.no_report:
+        write_section(f"host time per generation ({args.device})", md, command_line(), path=args.benchmarks)
+    return 0
