@@ -112,7 +112,8 @@ def parse_profiler_table(text: str) -> list[dict]:
 
 #: kernel families of a decode step, by name (first match wins; the raw names are kept too)
 _FAMILIES = (("kv store", ("reshape_and_cache",)),
-             ("slot tables", ("_slot_mapping_kernel", "gather_block_table", "index_select")),
+             ("slot tables", ("_slot_mapping_kernel", "_slot_mappings_kernel", "gather_block_table",
+                              "indexSelect")),
              ("attention", ("flash", "FlashAttn", "mha_", "fwd_combine")),
              ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")))
 

@@ -11,13 +11,17 @@
 #   VATTN_WORKLOADS  throughput workloads (default "decode-heavy"; also "prefill-heavy long-context")
 #   VATTN_BUDGET_S   wall budget of the script (default 530 s): a stage is skipped, and says so,
 #                    when less than its minimum time is left; VATTN_STAGE_MAX_S caps one
-#                    throughput workload (default 480 s; long-context with three modes needs ~560)
-#   VATTN_MODES / VATTN_IDENTITY_MODES / VATTN_IDENTITY_EAGER / VATTN_GROUP_SIZE / VATTN_REPEATS /
+#                    throughput workload (default 480 s; long-context with three modes took 338 s
+#                    on a machine already up, give it up to 585 on a fresh one)
+#   VATTN_MODES / VATTN_IDENTITY_MODES / VATTN_IDENTITY_EAGER / VATTN_IDENTITY_INPROC /
+#   VATTN_GROUP_SIZE / VATTN_REPEATS /
 #   VATTN_CUDAGRAPH_MODE (e.g. PIECEWISE, all modes alike): see adapters/vllm/gpu_run.py
 # Measured on the H200 (2026-12-04; engine start 45-55 s for the 8B shape with torch.compile +
 # CUDA graphs, the first engine of a machine ~105 s): identity 65-105 s per mode, decode-heavy
 # ~85 s per mode, prefill-heavy ~88 s, long-context ~95 s (one repeat; VATTN_REPEATS=2, the
-# default, adds one generation per mode: 11 / 17 / 27 s). One call (< 10 minutes) each:
+# default, adds one generation per mode: 11 / 17 / 27 s). On one machine kept up, same day:
+# profile with 4 modes 485 s, identity with 4 modes 244 s, long-context with 3 modes (one
+# generation each) 338 s, decode-heavy with 3 modes x 2 generations 257 s. One call (< 10 min) each:
 #   VATTN_STAGES=identity (4 modes) | VATTN_STAGES=throughput VATTN_WORKLOADS=decode-heavy
 #   | ...=prefill-heavy | ...=long-context
 # Results: $OUT/vllm_results.tgz (JSON per stage, engine logs) and $OUT/vllm_summary.txt;

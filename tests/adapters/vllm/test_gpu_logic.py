@@ -316,19 +316,21 @@ def test_profiler_table_parsed_into_kernel_families():
                    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", "1.5s", 4096),
                    ("void vllm::reshape_and_cache_flash_kernel<__nv_bfl...", "850.000us", 2048),
                    ("_slot_mapping_kernel", "12.000us", 64),
+                   ("_compute_slot_mappings_kernel", "3.000us", 64),      # stock vLLM's own
+                   ("void at::native::indexSelectSmallIndex<int, long, ...", "1.000us", 64),
                    ("cudaGraphLaunch", "0.000us", 64),
                    ("triton_red_fused_add_rms_norm_0", "900ns", 10),
                    ("aten::mm", "6.000ms", 16),                          # an op: its kernel is a row too
                    ("execute_context_0(0)_generation_256(256)", "200.000ms", 16)])   # a step's span
     rows = parse_profiler_table(text)
-    assert [r["calls"] for r in rows] == [2048, 4096, 2048, 64, 64, 10, 16, 16]
+    assert [r["calls"] for r in rows] == [2048, 4096, 2048, 64, 64, 64, 64, 10, 16, 16]
     assert rows[0]["name"].startswith("void flash::FlashAttnFwdSm90")
-    assert rows[1]["self_cuda_us"] == 1.5e6 and rows[5]["self_cuda_us"] == 0.9
+    assert rows[1]["self_cuda_us"] == 1.5e6 and rows[7]["self_cuda_us"] == 0.9
     summary = kernel_summary(rows, top=2)
     assert summary["families_us"] == {"attention": 120500.0, "gemm": 1.5e6, "kv store": 850.0,
-                                      "other": 0.9, "slot tables": 12.0}
+                                      "other": 0.9, "slot tables": 16.0}
     assert [r["name"][:5] for r in summary["top"]] == ["nvjet", "void "]
-    assert summary["total_us"] == round(120500 + 1.5e6 + 850 + 12 + 0.9, 1)
+    assert summary["total_us"] == round(120500 + 1.5e6 + 850 + 16 + 0.9, 1)
 
 
 def test_profiler_table_errors_name_what_is_wrong():
