@@ -65,6 +65,10 @@ def load_results(folder: str) -> dict:
         if isinstance(name, dict) or not name:
             name = os.path.basename(path)[:-5].removeprefix("throughput_")
         workloads[name] = report
+    for path in sorted(glob.glob(os.path.join(folder, "paired_*.json"))):   # two engines up at once
+        with open(path) as f:
+            report = json.load(f)
+        workloads[f"{report.get('workload') or os.path.basename(path)[7:-5]} (paired)"] = report
     identity = None
     if os.path.exists(os.path.join(folder, "identity.json")):
         with open(os.path.join(folder, "identity.json")) as f:
@@ -158,7 +162,13 @@ def markdown(results: dict, *, hbm_tbps: float | None = None, png: str | None = 
             lines.append(f"- {name} / {mode}: median of {len(p['seconds_all'])} generations over "
                          f"{p['engines']} engines, {p['median_s']:.3f} s (all: "
                          f"{', '.join(f'{t:.3f}' for t in p['seconds_all'])})")
-    if any((r.get("pooled") for r in results["workloads"].values())):
+    for name, report in results["workloads"].items():
+        p = report.get("paired")
+        if p:
+            lines.append(f"- {name}: {p['baseline']} / {p['other']} per round (engines up at once, "
+                         f"order alternated): {', '.join(f'{r:.4f}' for r in p['ratios'])}; median "
+                         f"**{p['median_ratio']:.4f}**")
+    if any(r.get("pooled") or r.get("paired") for r in results["workloads"].values()):
         lines.append("")
     ident = results["identity"]
     if ident is not None:

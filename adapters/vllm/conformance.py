@@ -89,19 +89,27 @@ class VllmRunner:
             logprobs: int = 5, device: str = "cpu", dtype: str = "float32",
             arrival_times: list[float] | None = None) -> RunResult:
         """Generate greedily in a fresh vLLM process (see :class:`EngineRunner`)."""
-        if mode not in self.modes:
-            raise ConfigError(f"vllm mode must be one of {self.modes} on {self.device}, got {mode!r}")
         if arrival_times is not None:
             raise UnsupportedError("the vLLM runner submits all prompts at once (offline LLM); "
                                    "arrival_times are not supported")
+        spec = self.spec_for(mode, model_dir, prompts, max_new_tokens, logprobs=logprobs,
+                             device=device, dtype=dtype)
+        return RunResult(**self._spawn(spec))
+
+    def spec_for(self, mode: str, model_dir: str, prompts: list[list[int]], max_new_tokens: int, *,
+                 logprobs: int = 5, device: str = "cpu", dtype: str = "float32") -> dict:
+        """The worker spec of one run of ``mode`` (what :mod:`.worker` reads)."""
+        if mode not in self.modes:
+            raise ConfigError(f"vllm mode must be one of {self.modes} on {self.device}, got {mode!r}")
         longest = max(len(p) for p in prompts) + max_new_tokens
         spec = dict(mode=_base(mode), run_name=mode, device=device, model_dir=str(model_dir), dtype=dtype,
                     prompts=prompts, max_new_tokens=max_new_tokens, logprobs=logprobs,
                     max_model_len=_round_up(longest, 256), max_num_seqs=self.max_num_seqs)
         spec.update(self.engine_args)
-        return RunResult(**self._spawn(spec))
+        return spec
 
-    def _spawn(self, spec: dict) -> dict:
+    def env_for(self, spec: dict) -> dict:
+        """The environment of the engine process of ``spec`` (the plugin on for vattn modes only)."""
         env = dict(os.environ) | self.engine_env
         env.pop("VATTN_VLLM", None)
         env.pop("VATTN_VLLM_EXACT", None)
@@ -113,6 +121,10 @@ class VllmRunner:
             env["VATTN_VLLM_EXACT"] = "1" if spec["mode"] == "vattn-exact" else "0"
         for key, value in (_GPU_ENV if spec["device"].startswith("cuda") else _CPU_ENV).items():
             env.setdefault(key, value)
+        return env
+
+    def _spawn(self, spec: dict) -> dict:
+        env = self.env_for(spec)
         with tempfile.TemporaryDirectory(prefix="vattn-vllm-") as tmp:
             src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
             with open(src, "w") as f:

@@ -22,6 +22,7 @@
   (``VATTN_MODES="stock vattn ceiling stock@2 vattn@2 ceiling@2"``: interleaved engines, so a
   drift of the machine hits every mode alike) ``pooled`` has each mode's median over all its
   engines' generations;
+* ``paired``: two modes as two engines up at once, generations alternated (:func:`stage_paired`);
 * ``profile``: the throughput setup, each mode once more under vLLM's torch profiler for a
   window of engine steps: GPU time per kernel family (attention, KV store, GEMM, vattn's slot
   tables, other) and the top kernels, to find where a mode loses time.
@@ -167,6 +168,43 @@ def stage_throughput(args) -> dict:
     return report
 
 
+def stage_paired(args) -> dict:
+    """Two modes (``VATTN_PAIR``, default ``stock vattn``) as two engines up at once, each with
+    ``VATTN_PAIR_MEM`` of the GPU (default 0.44), their generations alternated for
+    ``VATTN_ROUNDS`` rounds (default 4; see :mod:`.paired`): per-round ratios, no drift."""
+    from vattn.conformance.models import random_prompts
+
+    from .conformance import VllmRunner
+    from .paired import paired_summary, run_paired
+    num, plen, new, seqs = WORKLOADS[args.workload]
+    model = _config_only_model(os.path.join(args.models, "llama3-8b-dummy"))
+    prompts = random_prompts(num, plen, vocab_size=LLAMA3_8B["vocab_size"], seed=7)
+    modes = _modes("VATTN_PAIR", "stock vattn")
+    runner = VllmRunner(device="cuda", max_num_seqs=seqs, modes=tuple(modes), tag=f"paired-{args.workload}",
+                        log_dir=os.path.join(args.out, "logs"),
+                        engine_args=dict(load_format="dummy", max_num_batched_tokens=16384,
+                                         gpu_memory_utilization=float(os.environ.get("VATTN_PAIR_MEM", 0.44))))
+    report = {"workload": args.workload, "shape": [num, plen, new, seqs], "errors": {}, "ok": False,
+              "rows": {}}
+    out = run_paired(runner, modes, model, prompts, new, rounds=int(os.environ.get("VATTN_ROUNDS", 4)),
+                     device="cuda", dtype="bfloat16")
+    summary = report["paired"] = paired_summary(out, modes[0])
+    max_len = -(-(plen + new) // 256) * 256
+    for mode, res in out.items():
+        metrics = res.get("vattn_metrics")
+        row = report["rows"][mode] = {
+            "seconds": summary["median_s"][mode], "seconds_each": res["seconds_each"],
+            "init_s": res.get("init_s"),
+            "ratio": round(summary["median_s"][modes[0]] / summary["median_s"][mode], 4),
+            "total_tok_s": round(num * (plen + new) / summary["median_s"][mode], 2),
+            "worst_waste_MiB_per_request": waste_per_request(
+                mode, max_model_len=max_len, shortest=plen + 1, metrics=metrics) / 2**20}
+        if metrics:
+            row["vmm_critical_path"] = vmm_summary(metrics)
+    report["ok"] = True
+    return report
+
+
 def stage_profile(args) -> dict:
     """One workload per mode (untimed, after one timed run) under vLLM's torch profiler for
     ``VATTN_PROFILE_STEPS`` engine steps after ``VATTN_PROFILE_DELAY`` (default 32 after 64:
@@ -229,8 +267,8 @@ def _stop(signum, frame):
     raise SystemExit(128 + signum)
 
 
-_STAGES = {"smoke": stage_smoke, "identity": stage_identity,
-           "throughput": stage_throughput, "profile": stage_profile}
+_STAGES = {"smoke": stage_smoke, "identity": stage_identity, "throughput": stage_throughput,
+           "paired": stage_paired, "profile": stage_profile}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                   "traceback": traceback.format_exc()[-4000:]}
     report["stage_s"] = round(time.perf_counter() - start, 1)
     report["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    name = args.stage + (f"_{args.workload}" if args.stage in ("throughput", "profile") else "")
+    name = args.stage + (f"_{args.workload}" if args.stage in ("throughput", "profile", "paired") else "")
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(report, f, indent=1, default=repr)
     # short: vllm.sh's summary keeps this output's last 2500 characters (the JSON has it all)

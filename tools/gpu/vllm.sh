@@ -7,7 +7,9 @@
 # Needs vLLM 0.26.0 importable (from PYTHONPATH, or a staged directory VATTN_VLLM_SITE). A failed
 # smoke stage stops the run unless VATTN_CONTINUE=1.
 #   VATTN_STAGES     stages, in order (default "smoke identity throughput"; also "profile": each
-#                    mode under vLLM's torch profiler, GPU time per kernel family)
+#                    mode under vLLM's torch profiler, GPU time per kernel family; "paired": two
+#                    engines up at once, generations alternated, VATTN_PAIR="stock vattn",
+#                    VATTN_ROUNDS=4, VATTN_PAIR_MEM=0.44)
 #   VATTN_WORKLOADS  throughput workloads (default "decode-heavy"; also "prefill-heavy long-context")
 #   VATTN_BUDGET_S   wall budget of the script (default 530 s): a stage is skipped, and says so,
 #                    when less than its minimum time is left; VATTN_STAGE_MAX_S caps one
@@ -69,11 +71,15 @@ for stage in ${VATTN_STAGES:-smoke identity throughput}; do
       for w in ${VATTN_WORKLOADS:-decode-heavy}; do
         run_stage "throughput_$w" 200 "${VATTN_STAGE_MAX_S:-480}" $G throughput --workload "$w" --out "$R"
       done ;;
+    paired)    # two engines up at once, generations alternated (see gpu_run.stage_paired)
+      for w in ${VATTN_WORKLOADS:-decode-heavy}; do
+        run_stage "paired_$w" 200 "${VATTN_STAGE_MAX_S:-480}" $G paired --workload "$w" --out "$R"
+      done ;;
     profile)   # where the time goes, per kernel family and mode (see gpu_run.stage_profile)
       for w in ${VATTN_WORKLOADS:-decode-heavy}; do
         run_stage "profile_$w" 200 560 $G profile --workload "$w" --out "$R"
       done ;;
-    *) echo "== unknown stage $stage (smoke | identity | throughput | profile)" | tee -a "$SUM" ;;
+    *) echo "== unknown stage $stage (smoke | identity | throughput | paired | profile)" | tee -a "$SUM" ;;
   esac
 done
 echo "== total $(( $(date +%s) - START )) s" | tee -a "$SUM"

@@ -1,5 +1,6 @@
 """Engine-free parts of the vLLM GPU path, on CPU tensors and the host VMM backend (no vLLM)."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -352,3 +353,43 @@ def test_profiler_table_reads_torchs_own_header():
     table = prof.key_averages().table(sort_by="self_cpu_time_total")
     with pytest.raises(ValueError, match=r"Self CUDA.*header: \['Name', 'Self CPU %'"):
         parse_profiler_table(table)
+
+
+def test_paired_stage_reports_per_round_ratios_and_renders(monkeypatch, tmp_path):
+    from types import SimpleNamespace as NS
+
+    from vattn.adapters.vllm import gpu_run, paired
+    from vattn.bench import engine
+    seen = {}
+
+    def fake_run_paired(runner, modes, model, prompts, new, *, rounds, device, dtype):
+        seen.update(modes=modes, rounds=rounds, mem=runner.engine_args["gpu_memory_utilization"])
+        return {"stock": {"seconds_each": [11.0, 11.2, 10.9, 11.1], "init_s": 50.0, "vattn_metrics": None},
+                "vattn": {"seconds_each": [10.9, 11.1, 11.0, 11.0], "init_s": 52.0,
+                          "vattn_metrics": {"layout": {"worst_waste_bytes": 16 << 20}}}}
+    monkeypatch.setattr(paired, "run_paired", fake_run_paired)
+    monkeypatch.setattr(gpu_run, "_config_only_model", lambda path: str(tmp_path))
+    monkeypatch.setattr("vattn.conformance.models.random_prompts", lambda n, l, **kw: [[1] * 4] * n)
+    monkeypatch.delenv("VATTN_PAIR", raising=False)
+    monkeypatch.setenv("VATTN_ROUNDS", "4")
+    monkeypatch.setenv("VATTN_PAIR_MEM", "0.4")
+    report = gpu_run.stage_paired(NS(workload="decode-heavy", models=str(tmp_path), out=str(tmp_path)))
+    assert seen == {"modes": ["stock", "vattn"], "rounds": 4, "mem": 0.4}
+    assert report["paired"]["ratios"] == [round(11.0 / 10.9, 4), round(11.2 / 11.1, 4),
+                                          round(10.9 / 11.0, 4), round(11.1 / 11.0, 4)]
+    assert report["rows"]["stock"]["seconds"] == 11.05 and report["rows"]["vattn"]["seconds"] == 11.0
+    assert report["rows"]["vattn"]["worst_waste_MiB_per_request"] == 16.0
+    (tmp_path / "paired_decode-heavy.json").write_text(json.dumps(report))
+    md = engine.markdown(engine.load_results(str(tmp_path)))
+    row = next(l for l in md.splitlines() if l.startswith("| decode-heavy (paired)"))
+    assert f"**{11.05 / 11.0:.4f}×**" in row and "not run" in row          # no ceiling engine
+    assert f"median **{report['paired']['median_ratio']:.4f}**" in md
+
+
+def test_paired_refuses_bad_mode_lists():
+    from vattn.adapters.vllm.conformance import VllmRunner
+    from vattn.adapters.vllm.paired import run_paired
+    runner = VllmRunner(device="cuda", log_dir=None)
+    for modes, rounds in ((["stock"], 2), (["stock", "stock"], 2), (["stock", "vattn"], 0)):
+        with pytest.raises(ConfigError, match="two different modes|rounds must be"):
+            run_paired(runner, modes, "m", [[1]], 1, rounds=rounds, device="cuda", dtype="bfloat16")
