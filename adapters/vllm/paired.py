@@ -92,14 +92,22 @@ class _Engine:
             return json.load(f)
 
     def send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError) as exc:   # the engine is gone
+            raise VattnError(f"vLLM {self.mode} engine exited ({self.proc.poll()}) before "
+                             f"{line!r}{self._traceback(self.log)}") from exc
 
     def close(self) -> None:
         from .conformance import _kill_group
         _kill_group(self.proc.pid)   # the engine core may be a grandchild: the whole group
         self.proc.wait()
-        self._sink.close()
+        for stream in (self.proc.stdin, self._sink):
+            try:
+                stream.close()
+            except OSError:          # a pipe whose reader is gone
+                pass
 
 
 def run_paired(runner, modes, model_dir: str, prompts, max_new_tokens: int, *, rounds: int,

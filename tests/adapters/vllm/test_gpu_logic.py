@@ -393,3 +393,26 @@ def test_paired_refuses_bad_mode_lists():
     for modes, rounds in ((["stock"], 2), (["stock", "stock"], 2), (["stock", "vattn"], 0)):
         with pytest.raises(ConfigError, match="two different modes|rounds must be"):
             run_paired(runner, modes, "m", [[1]], 1, rounds=rounds, device="cuda", dtype="bfloat16")
+
+
+def test_paired_engine_gone_before_a_command_is_a_typed_error(tmp_path):
+    import subprocess
+    import sys
+
+    from vattn.adapters.vllm import paired
+    from vattn.core.errors import VattnError
+    engine = paired._Engine.__new__(paired._Engine)      # a stand-in process that exits at once
+    engine.mode, engine.folder, engine.log = "stock", str(tmp_path), str(tmp_path / "e.log")
+    (tmp_path / "e.log").write_text("Traceback (most recent call last):\n  boom\n")
+    engine._sink = open(tmp_path / "sink.log", "w")
+    from vattn.adapters.vllm.conformance import _first_traceback
+    engine._traceback = _first_traceback
+    engine.proc = subprocess.Popen([sys.executable, "-c", "pass"], stdin=subprocess.PIPE, text=True,
+                                   start_new_session=True)
+    engine.proc.wait()
+    with pytest.raises(VattnError, match="stock engine exited .0. before ready.json"):
+        engine.wait_for("ready.json", 5)
+    with pytest.raises(VattnError, match="boom"):
+        for _ in range(64):      # the first writes may still land in the pipe's buffer
+            engine.send("gen 0" + " " * 4096)
+    engine.close()
