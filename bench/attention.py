@@ -18,11 +18,11 @@ import torch
 
 from vattn.bench.flex_paged import FLEX_PAGE, flex_paged_runner
 from vattn.bench.paged_baselines import bench_us, hbm_copy_tbps, paged_copy, paged_decoders, paged_prefillers
-from vattn.bench.vmm_backed import on_vmm, vmm_copy
+from vattn.bench.vmm_backed import on_vmm
 from vattn.core.ops import DECODE_ORDER, PREFILL_ORDER, decode, is_supported, prefill
 from vattn.core.ops.synthetic import group_views
 
-__all__ = ["MODEL_SHAPES", "add_arguments", "run", "measure_decode", "measure_prefill", "vmm_copy"]
+__all__ = ["MODEL_SHAPES", "add_arguments", "run", "measure_decode", "measure_prefill"]
 
 #: name -> (q_heads, kv_heads, head_dim): the paper's shapes
 MODEL_SHAPES = {"llama3-8b": (32, 8, 128), "yi-6b": (32, 4, 128), "yi-34b": (56, 8, 128)}

@@ -19,6 +19,7 @@ import glob
 import json
 import os
 
+from vattn.bench.engine_profile import load_profiles, profile_markdown
 from vattn.conformance.models import PRESETS, kv_bytes_per_token, weight_bytes
 from vattn.core.errors import ConfigError
 
@@ -73,7 +74,6 @@ def load_results(folder: str) -> dict:
     if os.path.exists(os.path.join(folder, "identity.json")):
         with open(os.path.join(folder, "identity.json")) as f:
             identity = json.load(f)
-    from vattn.bench.engine_profile import load_profiles
     profiles = load_profiles(folder)
     if not workloads and identity is None and not profiles:
         raise ConfigError(f"--results: {folder!r} holds no throughput_*.json, profile_*.json "
@@ -154,7 +154,6 @@ def markdown(results: dict, *, hbm_tbps: float | None = None, png: str | None = 
         names = sorted(results["workloads"], key=lambda n: (_ORDER.index(n) if n in _ORDER else 9, n))
         lines += [_workload_row(n, results["workloads"][n], hbm_tbps) for n in names]
         lines.append("")
-    from vattn.bench.engine_profile import profile_markdown
     for name, report in (results.get("profiles") or {}).items():
         lines += [profile_markdown(name, report), ""]
     for name, report in results["workloads"].items():

@@ -16,6 +16,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from ..core.metrics import Histogram
 from .report import command_line, write_section
 
 __all__ = ["add_arguments", "run", "generation"]
@@ -90,7 +91,7 @@ def run(args) -> int:
     rt = _runtime(args.device, args.batch, args.prompt + args.new)
     try:
         generation(rt, batch=args.batch, prompt=args.prompt, new=args.new)          # warm-up
-        rt.step_us.__init__(), rt.blocks_us.__init__()
+        rt.step_us, rt.blocks_us = Histogram(), Histogram()                        # timed runs only
         runs = [generation(rt, batch=args.batch, prompt=args.prompt, new=args.new)
                 for _ in tqdm(range(args.generations), desc="generations", leave=False)]
         m = rt.metrics()

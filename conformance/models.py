@@ -36,7 +36,6 @@ def kv_bytes_per_token(config: dict, elem_bytes: int = 2) -> int:
             * elem_bytes)
 
 
-
 def weight_bytes(config: dict, elem_bytes: int = 2) -> int:
     """Bytes of a preset-style Llama's weights (untied embeddings; bf16 default): what every
     decode step reads once."""

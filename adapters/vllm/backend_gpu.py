@@ -5,7 +5,8 @@ mode: the layer's KV is vattn's ``[2, max_slots + 1, rows_per_slot, H, D]`` stri
 block table holds one entry per request (its slot) and the page size is ``rows_per_slot``
 (see :mod:`.slot_tables`). Store and attention are vLLM's own kernels with vLLM's own arguments,
 only the cache tensors and the page size differ. Measured on the H200 (2026-12-04): outputs
-equal stock ``FLASH_ATTN``'s up to near-ties, not bit for bit (BENCHMARKS.md). Graph-safe: ``forward`` and ``do_kv_cache_update`` launch kernels only.
+equal stock ``FLASH_ATTN``'s up to near-ties, not bit for bit (BENCHMARKS.md). Graph-safe:
+``forward`` and ``do_kv_cache_update`` launch kernels only.
 
 What differs from stock ``FLASH_ATTN``:
 

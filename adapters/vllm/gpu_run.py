@@ -141,29 +141,41 @@ def stage_identity(args) -> dict:
     return report
 
 
-def stage_throughput(args) -> dict:
+def _workload(args):
+    """``(num, prompt_len, new, max_num_seqs, model_dir, prompts)`` of ``args.workload`` on the
+    Llama-3-8B shape (a config-only model: ``load_format="dummy"``)."""
     from vattn.conformance.models import random_prompts
-    from vattn.conformance.throughput import summarize
     num, plen, new, seqs = WORKLOADS[args.workload]
     model = _config_only_model(os.path.join(args.models, "llama3-8b-dummy"))
     prompts = random_prompts(num, plen, vocab_size=LLAMA3_8B["vocab_size"], seed=7)
+    return num, plen, new, seqs, model, prompts
+
+
+def _memory_columns(mode: str, metrics: dict | None, plen: int, new: int) -> dict:
+    """A throughput row's waste and (vattn) critical-path columns."""
+    max_len = -(-(plen + new) // 256) * 256
+    row = {"worst_waste_MiB_per_request": waste_per_request(
+        mode, max_model_len=max_len, shortest=plen + 1, metrics=metrics) / 2**20}
+    if metrics:
+        row["vmm_critical_path"] = vmm_summary(metrics)
+    return row
+
+
+def stage_throughput(args) -> dict:
+    from vattn.conformance.throughput import summarize
+    num, plen, new, seqs, model, prompts = _workload(args)
     runner = _runner(args.out, args.workload, seqs, _modes("VATTN_MODES", "stock vattn ceiling"),
                      load_format="dummy", max_num_batched_tokens=16384,
                      repeats=int(os.environ.get("VATTN_REPEATS", "2")))
     results, errors = _run_all(runner, model, prompts, new, logprobs=0)
     report = {"workload": args.workload, "shape": [num, plen, new, seqs], "errors": errors,
               "ok": not errors, "rows": summarize(results, "stock") if "stock" in results else {}}
-    max_len = -(-(plen + new) // 256) * 256
     for mode, res in results.items():
-        metrics = res.extra.get("vattn_metrics")
         row = report["rows"].setdefault(mode, {"seconds": res.seconds})
         row |= {"init_s": res.extra.get("init_s"), "num_gpu_blocks": res.extra.get("num_gpu_blocks"),
                 "seconds_each": res.extra.get("seconds_each"),
-                "jit_during_inference": jit_during_inference(runner.log_path(mode)),
-                "worst_waste_MiB_per_request": waste_per_request(
-                    mode, max_model_len=max_len, shortest=plen + 1, metrics=metrics) / 2**20}
-        if metrics:
-            row["vmm_critical_path"] = vmm_summary(metrics)
+                "jit_during_inference": jit_during_inference(runner.log_path(mode))}
+        row |= _memory_columns(mode, res.extra.get("vattn_metrics"), plen, new)
     report["pooled"] = pool_engines(report["rows"])   # MODE@N re-runs: every generation pooled
     return report
 
@@ -172,13 +184,9 @@ def stage_paired(args) -> dict:
     """Two modes (``VATTN_PAIR``, default ``stock vattn``) as two engines up at once, each with
     ``VATTN_PAIR_MEM`` of the GPU (default 0.44), their generations alternated for
     ``VATTN_ROUNDS`` rounds (default 4; see :mod:`.paired`): per-round ratios, no drift."""
-    from vattn.conformance.models import random_prompts
-
     from .conformance import VllmRunner
     from .paired import paired_summary, run_paired
-    num, plen, new, seqs = WORKLOADS[args.workload]
-    model = _config_only_model(os.path.join(args.models, "llama3-8b-dummy"))
-    prompts = random_prompts(num, plen, vocab_size=LLAMA3_8B["vocab_size"], seed=7)
+    num, plen, new, seqs, model, prompts = _workload(args)
     modes = _modes("VATTN_PAIR", "stock vattn")
     runner = VllmRunner(device="cuda", max_num_seqs=seqs, modes=tuple(modes), tag=f"paired-{args.workload}",
                         log_dir=os.path.join(args.out, "logs"),
@@ -189,18 +197,13 @@ def stage_paired(args) -> dict:
     out = run_paired(runner, modes, model, prompts, new, rounds=int(os.environ.get("VATTN_ROUNDS", 4)),
                      device="cuda", dtype="bfloat16")
     summary = report["paired"] = paired_summary(out, modes[0])
-    max_len = -(-(plen + new) // 256) * 256
     for mode, res in out.items():
-        metrics = res.get("vattn_metrics")
-        row = report["rows"][mode] = {
-            "seconds": summary["median_s"][mode], "seconds_each": res["seconds_each"],
-            "init_s": res.get("init_s"),
-            "ratio": round(summary["median_s"][modes[0]] / summary["median_s"][mode], 4),
-            "total_tok_s": round(num * (plen + new) / summary["median_s"][mode], 2),
-            "worst_waste_MiB_per_request": waste_per_request(
-                mode, max_model_len=max_len, shortest=plen + 1, metrics=metrics) / 2**20}
-        if metrics:
-            row["vmm_critical_path"] = vmm_summary(metrics)
+        median = summary["median_s"][mode]
+        report["rows"][mode] = {
+            "seconds": median, "seconds_each": res["seconds_each"], "init_s": res.get("init_s"),
+            "ratio": round(summary["median_s"][modes[0]] / median, 4),
+            "total_tok_s": round(num * (plen + new) / median, 2),
+            **_memory_columns(mode, res.get("vattn_metrics"), plen, new)}
     report["ok"] = True
     return report
 
@@ -210,11 +213,7 @@ def stage_profile(args) -> dict:
     ``VATTN_PROFILE_STEPS`` engine steps after ``VATTN_PROFILE_DELAY`` (default 32 after 64:
     decode steps of decode-heavy): GPU time per kernel family and the top kernels, per mode."""
     import shutil
-
-    from vattn.conformance.models import random_prompts
-    num, plen, new, seqs = WORKLOADS[args.workload]
-    model = _config_only_model(os.path.join(args.models, "llama3-8b-dummy"))
-    prompts = random_prompts(num, plen, vocab_size=LLAMA3_8B["vocab_size"], seed=7)
+    num, plen, new, seqs, model, prompts = _workload(args)
     modes = _modes("VATTN_MODES", "stock vattn ceiling")
     report = {"workload": args.workload, "shape": [num, plen, new, seqs], "ok": True, "errors": {},
               "steps": int(os.environ.get("VATTN_PROFILE_STEPS", 32)),

@@ -24,6 +24,8 @@ import time
 
 from vattn.core.errors import ConfigError, VattnError
 
+from .conformance import _first_traceback, _kill_group
+
 __all__ = ["run_paired", "paired_summary", "serve"]
 
 
@@ -65,13 +67,11 @@ class _Engine:
     """One serving engine process of the driver."""
 
     def __init__(self, runner, spec: dict, folder: str):
-        from .conformance import _first_traceback
         self.mode, self.folder = spec["run_name"], folder
         path = os.path.join(folder, "spec.json")
         _write(path, spec)
         self.log = runner.log_path(f"{self.mode}-paired") or os.path.join(folder, "engine.log")
         self._sink = open(self.log, "w")
-        self._traceback = _first_traceback
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vattn.adapters.vllm.paired", path, folder], env=runner.env_for(spec),
             stdin=subprocess.PIPE, stdout=self._sink, stderr=subprocess.STDOUT, text=True,
@@ -84,7 +84,7 @@ class _Engine:
         while not os.path.exists(path):
             if self.proc.poll() is not None:
                 raise VattnError(f"vLLM {self.mode} engine exited ({self.proc.returncode}) before "
-                                 f"{name}{self._traceback(self.log)}")
+                                 f"{name}{_first_traceback(self.log)}")
             if time.monotonic() > deadline:
                 raise VattnError(f"vLLM {self.mode} engine wrote no {name} within {timeout_s:.0f} s")
             time.sleep(0.05)
@@ -97,10 +97,9 @@ class _Engine:
             self.proc.stdin.flush()
         except (BrokenPipeError, ValueError) as exc:   # the engine is gone
             raise VattnError(f"vLLM {self.mode} engine exited ({self.proc.poll()}) before "
-                             f"{line!r}{self._traceback(self.log)}") from exc
+                             f"{line!r}{_first_traceback(self.log)}") from exc
 
     def close(self) -> None:
-        from .conformance import _kill_group
         _kill_group(self.proc.pid)   # the engine core may be a grandchild: the whole group
         self.proc.wait()
         for stream in (self.proc.stdin, self._sink):

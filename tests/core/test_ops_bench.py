@@ -95,7 +95,8 @@ def test_vmm_copy_holds_the_same_rows_on_a_real_virtual_cache():
     k, v, keep = group_views(slots=4, rows_per_slot=256, group_size=2, kv_heads=2, head_dim=16,
                              dtype=torch.float32, layer=1, generator=torch.Generator().manual_seed(0))
     slots = torch.tensor([3, 0, 2])
-    mk, mv, ms, cache = attention.vmm_copy(k, v, slots, 200, group=2)
+    from vattn.bench.vmm_backed import vmm_copy
+    mk, mv, ms, cache = vmm_copy(k, v, slots, 200, group=2)
     try:
         assert cache.metrics()["pages_mapped"] > 0            # real pages, not the source memory
         for dst, src in zip(ms.tolist(), slots.tolist()):

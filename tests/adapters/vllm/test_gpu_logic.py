@@ -405,8 +405,6 @@ def test_paired_engine_gone_before_a_command_is_a_typed_error(tmp_path):
     engine.mode, engine.folder, engine.log = "stock", str(tmp_path), str(tmp_path / "e.log")
     (tmp_path / "e.log").write_text("Traceback (most recent call last):\n  boom\n")
     engine._sink = open(tmp_path / "sink.log", "w")
-    from vattn.adapters.vllm.conformance import _first_traceback
-    engine._traceback = _first_traceback
     engine.proc = subprocess.Popen([sys.executable, "-c", "pass"], stdin=subprocess.PIPE, text=True,
                                    start_new_session=True)
     engine.proc.wait()
