@@ -60,6 +60,8 @@ def load_results(folder: str) -> dict:
     workloads = {}
     for path in sorted(glob.glob(os.path.join(folder, "throughput_*.json")) +
                        glob.glob(os.path.join(folder, "*-heavy.json"))):
+        if os.path.basename(path).startswith(("paired_", "profile_")):
+            continue        # read below / by load_profiles, not a one-engine-at-a-time run
         with open(path) as f:
             report = json.load(f)
         name = report.get("workload") or report.get("stage")
@@ -134,7 +136,7 @@ def _workload_row(name: str, report: dict, hbm_tbps: float | None) -> str:
     crit = (f"{_fmt(vmm.get('apply_total_ms'), '.1f')} ms apply + "
             f"{_fmt(vmm.get('on_blocks_total_ms'), '.1f')} ms on_blocks; "
             f"{vmm.get('pages_mapped_on_demand', '—')} pages mapped on demand") if vmm else "—"
-    bw = decode_bandwidth(report, "vattn") if name == "decode-heavy" else None
+    bw = decode_bandwidth(report, "vattn") if name.split(" (")[0] == "decode-heavy" else None
     share = (f"{bw / 1e12:.2f} TB/s" + (f" ({100 * bw / (hbm_tbps * 1e12):.0f} %)" if hbm_tbps else "")
              if bw else "—")
     return (f"| {name} | {' | '.join(cells)} | {vs_stock} | {vs_ceiling} | "
@@ -164,8 +166,9 @@ def markdown(results: dict, *, hbm_tbps: float | None = None, png: str | None = 
     for name, report in results["workloads"].items():
         p = report.get("paired")
         if p:
-            lines.append(f"- {name}: {p['baseline']} / {p['other']} per round (engines up at once, "
-                         f"order alternated): {', '.join(f'{r:.4f}' for r in p['ratios'])}; median "
+            lines.append(f"- {name}: {p['other']}'s speed over {p['baseline']}'s per round "
+                         f"({p['baseline']} s / {p['other']} s; engines up at once, order "
+                         f"alternated): {', '.join(f'{r:.4f}' for r in p['ratios'])}; median "
                          f"**{p['median_ratio']:.4f}**")
     if any(r.get("pooled") or r.get("paired") for r in results["workloads"].values()):
         lines.append("")

@@ -7,9 +7,11 @@ vattn mode only. ``SPEC`` (JSON): ``mode``, ``model_path``, ``prompts`` (token i
 keyword arguments). ``OUT`` (JSON): :class:`~vattn.conformance.protocol.RunResult` fields.
 
 Both modes: ``page_size=16``, radix cache off, ``sampling_backend="pytorch"``, greedy,
-``ignore_eos``. ``stock``: ``--attention-backend fa3`` with CUDA graphs (SGLang's default);
+``ignore_eos``. ``stock``: ``--attention-backend fa3`` with SGLang's decode CUDA graphs;
 ``stock-eager``: the same without CUDA graphs; ``vattn``: ``--attention-backend vattn`` with
 SGLang's decode CUDA graphs (the backend's graph hooks); ``vattn-eager``: vattn without CUDA graphs.
+Every mode runs prefill eagerly (``disable_prefill_cuda_graph``): the vattn backend does not support
+SGLang's prefill graphs yet, so stock runs without them too, like for like.
 Timing: a short warm-up generate first, then one timed ``generate`` of all prompts.
 """
 
@@ -30,7 +32,8 @@ def engine_kwargs(mode: str, model_path: str, extra: dict) -> dict:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     kw = dict(model_path=model_path, attention_backend=_BACKEND[mode], page_size=16,
               disable_radix_cache=True, sampling_backend="pytorch", skip_tokenizer_init=True,
-              dtype="bfloat16", log_level="error", random_seed=0)
+              dtype="bfloat16", log_level="error", random_seed=0,
+              disable_prefill_cuda_graph=True)
     if mode.endswith("-eager"):
         kw["disable_cuda_graph"] = True
     kw.update(extra)

@@ -11,7 +11,7 @@
   (default ``stock vattn``; ``stock-eager`` / ``vattn-eager``: the same without CUDA graphs).
 
 Each stage writes ``DIR/<stage>.json``; engine logs go to ``DIR/logs``. ``VATTN_RUN_TIMEOUT``
-(seconds, default 150) limits one engine run; ``VATTN_SGLANG_ENGINE_ARGS`` (JSON) adds
+(seconds, default 200) limits one engine run; ``VATTN_SGLANG_ENGINE_ARGS`` (JSON) adds
 ``sglang.Engine`` arguments to every mode.
 """
 
@@ -52,7 +52,7 @@ def _model(out: str, name: str, fields: dict, *, weights: bool) -> str:
 def _runner(out: str, modes, **engine_args) -> SglangRunner:
     engine_args.update(json.loads(os.environ.get("VATTN_SGLANG_ENGINE_ARGS", "{}")))
     return SglangRunner(modes=tuple(modes), engine_args=engine_args,
-                        timeout_s=float(os.environ.get("VATTN_RUN_TIMEOUT", 150)),
+                        timeout_s=float(os.environ.get("VATTN_RUN_TIMEOUT", 200)),
                         log_dir=os.path.join(out, "logs"))
 
 

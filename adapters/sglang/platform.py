@@ -27,18 +27,21 @@ default attention backend is ``vattn``.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from sglang.srt.platforms.cuda import CudaSRTPlatform
 
 from vattn.core.errors import ConfigError, UnsupportedError
 
-from .plugin import BACKEND_NAME, check_server_args
+from .plugin import BACKEND_NAME, check_server_args, prefill_graph_backend
 from .version import check_version
 
 #: Environment variable that opts SGLang into the vattn platform.
 OPT_IN = "VATTN_SGLANG"
 QUALNAME = "vattn.adapters.sglang.platform.VattnCudaPlatform"
+
+logger = logging.getLogger(__name__)
 
 
 def opted_in() -> bool:
@@ -59,6 +62,16 @@ def activate() -> str | None:
         return None
     check_version()
     return QUALNAME
+
+
+def _default_prefill_graph_off(server_args) -> None:
+    """Turn SGLang's *default* prefill CUDA graph off (the backend supports decode graphs only);
+    one the user asked for stays, and :func:`.plugin.check_server_args` refuses it by name."""
+    locked = getattr(server_args, "_cuda_graph_config_locked", set())
+    if prefill_graph_backend(server_args) not in (None, "disabled") \
+            and ("prefill", "backend") not in locked:
+        server_args.cuda_graph_config.prefill.backend = "disabled"
+        logger.info("vattn: SGLang's prefill CUDA graph turned off (decode graphs stay on)")
 
 
 def _graph_runner(model_runner):
@@ -96,7 +109,8 @@ class VattnCudaPlatform(CudaSRTPlatform):
         Raises
         ------
         ConfigError
-            Another attention backend, radix cache on, or ``page_size`` < 2.
+            Another attention backend, radix cache on, ``page_size`` < 2, or a prefill CUDA
+            graph asked for by name (SGLang's default one is turned off here).
         UnsupportedError
             A device other than CUDA.
         """
@@ -112,6 +126,7 @@ class VattnCudaPlatform(CudaSRTPlatform):
         server_args.attention_backend = BACKEND_NAME
         if getattr(server_args, "page_size", None) is None:
             server_args.page_size = 16
+        _default_prefill_graph_off(server_args)
         check_server_args(server_args)
 
     def get_graph_runner_cls(self):

@@ -51,12 +51,29 @@ def create_vattn_backend(runner):
     return VattnAttnBackend(runner)
 
 
+def prefill_graph_backend(server_args) -> str | None:
+    """SGLang's resolved prefill CUDA-graph backend (``"disabled"``, ``"breakable"``, ...), or
+    ``None`` where the server args carry no resolved ``cuda_graph_config``."""
+    prefill = getattr(getattr(server_args, "cuda_graph_config", None), "prefill", None)
+    return getattr(prefill, "backend", None)
+
+
 def check_server_args(server_args) -> None:
-    """Refuse settings the adapter does not support (radix cache on, page size 1).
+    """Refuse settings the adapter does not support (radix cache on, page size 1, prefill CUDA
+    graphs).
 
     ``page_size > 1`` routes SGLang's scheduler through the paged allocator calls
     (``alloc_extend`` / ``alloc_decode``), which carry the per-request lengths vattn maps by.
+    Prefill CUDA graphs (SGLang's default ``breakable`` one on CUDA) run the attention once at
+    capture on a dummy batch that names requests no allocation has mapped pages for: on the GPU
+    that read faults (seen on the H200 as ``CUBLAS_STATUS_EXECUTION_FAILED`` in the next GEMM).
     """
+    backend = prefill_graph_backend(server_args)
+    on_cuda = getattr(server_args, "device", None) in (None, "cuda")   # no graph runner elsewhere
+    if on_cuda and backend not in (None, "disabled"):
+        raise ConfigError(f"--attention-backend {BACKEND_NAME} does not support prefill CUDA "
+                          f"graphs yet (got the {backend!r} prefill graph): pass "
+                          "--disable-prefill-cuda-graph (decode CUDA graphs are supported)")
     if not getattr(server_args, "disable_radix_cache", False):
         raise ConfigError("--attention-backend vattn needs --disable-radix-cache "
                           "(prefix sharing is not supported yet)")

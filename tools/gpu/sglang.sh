@@ -9,20 +9,23 @@
 #   prefill-heavy  Llama-3-8B shape, load_format dummy, 32 x 16K in / 64 out
 # Default: "identity decode-heavy prefill-heavy". Every stage runs under `timeout` and is skipped
 # (and says so) when less than its minimum is left of VATTN_BUDGET_S (default 530 s, < 9 min).
-# Budgets (min / max s): tests 30/90, identity 120/170, decode-heavy 150/190, prefill-heavy
-# 150/190; estimates (never run yet), SGLang engine start ~60-90 s per mode. Modes per throughput
+# Budgets (min / max s): tests 30/90, identity 200/300, decode-heavy 150/260, prefill-heavy
+# 150/260. Measured on the H200 (2026-12-04, prefill graphs still on): the first engine of a fresh
+# machine starts in 104-126 s (torch.compile + graph capture), a later one in ~43 s; stock's
+# decode-heavy generation took 10.9 s. Modes per throughput
 # stage: VATTN_MODES (default "stock vattn", both with SGLang's decode CUDA graphs; "stock-eager" /
-# "vattn-eager" without them). One engine run is capped by VATTN_RUN_TIMEOUT (150 s).
-# Needs SGLang 0.5.17 and its deps importable: staged into $VATTN_SITE (a folder of unpacked
-# wheels: sglang 0.5.17, sglang-kernel 0.4.5, flashinfer-python 0.6.15.post1, xgrammar 0.2.1,
-# apache-tvm-ffi 0.1.11, torchvision 0.26.0 + tests/adapters/sglang/requirements-cpu.txt).
-# The wheel set (resolved 2026-12-03 for CPython 3.12 x86-64 next to torch 2.11: 564 MB; not yet
-# run on a GPU): sglang==0.5.17 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1 xgrammar==0.2.1
-# apache-tvm-ffi==0.1.11 torchvision==0.26.0 and their dependencies, leaving out tokenspeed-triton,
+# "vattn-eager" without them). One engine run is capped by VATTN_RUN_TIMEOUT (200 s).
+# Needs SGLang 0.5.17 and its deps importable, e.g. staged into $VATTN_SITE (a folder of unpacked
+# wheels). The wheel set (CPython 3.12 x86-64 next to torch 2.11, 567 MB; ran on the H200
+# 2026-12-04): sglang==0.5.17 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1 xgrammar==0.2.1
+# apache-tvm-ffi==0.1.11 torchvision==0.26.0 transformers==5.12.1 tokenizers==0.22.2 and their
+# dependencies, leaving out what the machine already has *except* transformers and tokenizers
+# (sglang pins transformers 5.12.1: a 5.17 fails at import, "'qwen3_asr' is already used by a
+# Transformers config"; 5.12.1 refuses tokenizers > 0.23.0) and, for size, tokenspeed-triton,
 # nvidia-cutlass-dsl(-libs-cu12/-cu13), nvidia-nvvm, nvidia-cuda-nvcc, nvidia-cuda-nvdisasm,
-# tilelang, z3-solver, nvidia-mathdx, modelscope and sgl-deep-gemm (left out for size; stage any
-# that an import on the GPU turns out to need);
-# unpacked into VATTN_SITE. Keep it apart from a vLLM site: their pins differ.
+# tilelang, z3-solver, nvidia-mathdx, modelscope and sgl-deep-gemm (none imported by these runs).
+# Keep it apart from a vLLM site: their pins differ. Both modes run prefill eagerly
+# (engine_run.engine_kwargs): vattn does not support SGLang's prefill CUDA graphs yet.
 # Results: $OUT/sglang_results.tgz (JSON per stage, engine logs, summary), rewritten after each
 # stage, and $OUT/sglang_summary.txt.
 set -u
@@ -36,7 +39,7 @@ link_vattn '[sglang.srt.plugins]\nvattn = vattn.adapters.sglang.plugin:register\
 export SGLANG_USE_SGL_FA3_KERNEL=1
 unset VATTN_SGLANG   # set per run, for the vattn mode only, by the runner
 
-pack() { tar -czf "$OUT/sglang_results.tgz" -C "$W" sglang 2>/dev/null; cp "$SUM" "$OUT/sglang_summary.txt"; }
+pack() { tar -czf "$OUT/sglang_results.tgz" --exclude=sglang/models -C "$W" sglang 2>/dev/null; cp "$SUM" "$OUT/sglang_summary.txt"; }
 
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -49,8 +52,8 @@ G="python3 -m vattn.adapters.sglang.gpu_run"
 for stage in ${VATTN_STAGES:-identity decode-heavy prefill-heavy}; do
   case "$stage" in
     tests) run_stage tests 30 90 python3 -m pytest -q tests/adapters/sglang -p no:cacheprovider ;;
-    identity) run_stage identity 120 170 $G identity --out "$R" ;;
-    decode-heavy|prefill-heavy) run_stage "$stage" 150 190 $G "$stage" --out "$R" ;;
+    identity) run_stage identity 200 300 $G identity --out "$R" ;;
+    decode-heavy|prefill-heavy) run_stage "$stage" 150 260 $G "$stage" --out "$R" ;;
     *) echo "== unknown stage $stage (tests | identity | decode-heavy | prefill-heavy)" | tee -a "$SUM" ;;
   esac
 done

@@ -9,7 +9,8 @@
 #   VATTN_STAGES     stages, in order (default "smoke identity throughput"; also "profile": each
 #                    mode under vLLM's torch profiler, GPU time per kernel family; "paired": two
 #                    engines up at once, generations alternated, VATTN_PAIR="stock vattn",
-#                    VATTN_ROUNDS=4, VATTN_PAIR_MEM=0.44)
+#                    VATTN_ROUNDS=4, VATTN_PAIR_MEM=0.44; "host": `vattn bench host --device cuda`,
+#                    the package linked as the other stages have it)
 #   VATTN_WORKLOADS  throughput workloads (default "decode-heavy"; also "prefill-heavy long-context")
 #   VATTN_BUDGET_S   wall budget of the script (default 530 s): a stage is skipped, and says so,
 #                    when less than its minimum time is left; VATTN_STAGE_MAX_S caps one
@@ -23,7 +24,9 @@
 # ~85 s per mode, prefill-heavy ~88 s, long-context ~95 s (one repeat; VATTN_REPEATS=2, the
 # default, adds one generation per mode: 11 / 17 / 27 s). On one machine kept up, same day:
 # profile with 4 modes 485 s, identity with 4 modes 244 s, long-context with 3 modes (one
-# generation each) 338 s, decode-heavy with 3 modes x 2 generations 257 s. One call (< 10 min) each:
+# generation each) 338 s, decode-heavy with 3 modes x 2 generations 257 s; later that day, on a
+# machine just staged: identity with 4 modes in-process 266 s, paired decode-heavy (2 engines,
+# 6 rounds) 293 s. One call (< 10 min) each:
 #   VATTN_STAGES=identity (4 modes) | VATTN_STAGES=throughput VATTN_WORKLOADS=decode-heavy
 #   | ...=prefill-heavy | ...=long-context
 # Results: $OUT/vllm_results.tgz (JSON per stage, engine logs) and $OUT/vllm_summary.txt;
@@ -79,7 +82,10 @@ for stage in ${VATTN_STAGES:-smoke identity throughput}; do
       for w in ${VATTN_WORKLOADS:-decode-heavy}; do
         run_stage "profile_$w" 200 560 $G profile --workload "$w" --out "$R"
       done ;;
-    *) echo "== unknown stage $stage (smoke | identity | throughput | paired | profile)" | tee -a "$SUM" ;;
+    host)      # vattn's own host time per decode-heavy generation on this GPU (vattn bench host)
+      run_stage host 20 120 python3 -m vattn bench host --device cuda --no-report \
+        --json "$R/host_cuda.json" ;;
+    *) echo "== unknown stage $stage (smoke | identity | throughput | paired | profile | host)" | tee -a "$SUM" ;;
   esac
 done
 echo "== total $(( $(date +%s) - START )) s" | tee -a "$SUM"

@@ -25,6 +25,7 @@ def test_engine_kwargs_per_mode():
     for kw in (stock, vattn):
         assert kw["page_size"] == 16 and kw["disable_radix_cache"]
         assert kw["sampling_backend"] == "pytorch"
+        assert kw["disable_prefill_cuda_graph"]          # like for like: decode graphs only
     assert "disable_cuda_graph" not in stock and "disable_cuda_graph" not in vattn   # both graphed
     assert engine_kwargs("vattn-eager", "/m", {})["disable_cuda_graph"]
     assert engine_kwargs("vattn-eager", "/m", {})["attention_backend"] == "vattn"

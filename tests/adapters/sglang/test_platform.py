@@ -111,3 +111,30 @@ def test_pool_refuses_unsupported_sglang_arguments(configure_pools):
         VattnMHATokenToKVPool(512, **kw, start_layer=1, end_layer=2)
     with pytest.raises(UnsupportedError, match="memory-saver"):
         VattnMHATokenToKVPool(512, **kw, enable_memory_saver=True)
+
+
+def test_platform_turns_the_default_prefill_graph_off_and_refuses_one_asked_for(
+        sglang_server_args):
+    """SGLang's resolved prefill CUDA graph (its default on CUDA is ``breakable``) is turned off
+    unless the user asked for it by name, which is refused with the flag to pass."""
+    import copy
+    from types import SimpleNamespace as NS
+
+    from sglang.srt.server_args import ServerArgs
+    plat = VattnCudaPlatform()
+    fields = copy.deepcopy(vars(sglang_server_args))
+    fields.update(device="cuda", attention_backend=None)
+    default = NS(**fields)
+    default.cuda_graph_config.prefill.backend = "breakable"        # as resolved on CUDA
+    default._cuda_graph_config_locked = set()
+    plat.apply_server_args_defaults(default)
+    assert default.cuda_graph_config.prefill.backend == "disabled"
+
+    asked = ServerArgs(model_path=sglang_server_args.model_path, device="cpu", page_size=16,
+                       disable_radix_cache=True, skip_tokenizer_init=True,
+                       cuda_graph_backend_prefill="breakable", context_length=96)
+    assert ("prefill", "backend") in asked._cuda_graph_config_locked
+    asked = NS(**dict(copy.deepcopy(vars(asked)), device="cuda", attention_backend=None))
+    with pytest.raises(ConfigError, match="disable-prefill-cuda-graph"):
+        plat.apply_server_args_defaults(asked)
+    assert asked.cuda_graph_config.prefill.backend == "breakable"

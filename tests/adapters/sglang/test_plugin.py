@@ -38,6 +38,21 @@ def test_radix_cache_must_be_off():
     check_server_args(SimpleNamespace(disable_radix_cache=True, page_size=16))
 
 
+def test_prefill_cuda_graphs_are_refused_by_name():
+    pytest.importorskip("sglang.srt.server_args", reason="sglang (CPU import set) not installed")
+    from vattn.adapters.sglang.plugin import check_server_args
+
+    def args(backend):
+        graphs = SimpleNamespace(prefill=SimpleNamespace(backend=backend))
+        return SimpleNamespace(disable_radix_cache=True, page_size=16, cuda_graph_config=graphs)
+
+    for backend in ("breakable", "tc_piecewise", "full"):
+        with pytest.raises(ConfigError, match=f"'{backend}' prefill graph.*"
+                                              "--disable-prefill-cuda-graph"):
+            check_server_args(args(backend))
+    check_server_args(args("disabled"))
+
+
 def test_backend_factory_needs_vattn_pool_and_a_fitting_cache(configure_pools,
                                                               sglang_server_args):
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool

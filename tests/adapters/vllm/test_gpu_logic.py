@@ -384,6 +384,8 @@ def test_paired_stage_reports_per_round_ratios_and_renders(monkeypatch, tmp_path
     row = next(l for l in md.splitlines() if l.startswith("| decode-heavy (paired)"))
     assert f"**{11.05 / 11.0:.4f}×**" in row and "not run" in row          # no ceiling engine
     assert f"median **{report['paired']['median_ratio']:.4f}**" in md
+    rows = [l for l in md.splitlines() if l.startswith("| decode-heavy")]
+    assert len(rows) == 1, rows        # the paired JSON is not read a second time as a throughput run
 
 
 def test_paired_refuses_bad_mode_lists():
