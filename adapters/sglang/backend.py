@@ -41,7 +41,8 @@ class VattnMetadata:
     """Per-batch attention inputs (device tensors int32 unless noted).
 
     slots : ``[B]`` vattn slot of each request; seqlens : ``[B]`` keys incl. new tokens;
-    cu_seqlens_q : ``[B + 1]`` (extend only); max_seqlen_q / max_seqlen_k : host ints;
+    cu_seqlens_q : ``[B + 1]`` query offsets (decode: ``0 .. B``, built once per batch rather than
+    by the op in every layer); max_seqlen_q / max_seqlen_k : host ints;
     host : ``(bases, prefix_lens, seq_lens)`` host lists, only for the ``"sdpa"`` op backend.
     """
 
@@ -83,6 +84,7 @@ class VattnAttnBackend(AttentionBackend):
         self.forward_metadata: VattnMetadata | None = None
         self._graph_slots: torch.Tensor | None = None     # decode CUDA graphs: persistent inputs
         self._graph_seqlens: torch.Tensor | None = None
+        self._graph_cu_q: torch.Tensor | None = None
 
     def _slots(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
         first = self.req_to_token[req_pool_indices.long(), 0].long()
@@ -96,6 +98,7 @@ class VattnAttnBackend(AttentionBackend):
                                    "'sdpa' (it reads lengths on the host)")
         self._graph_slots = torch.full((max_bs,), PAD_SLOT, dtype=torch.int32, device=self.device)
         self._graph_seqlens = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+        self._graph_cu_q = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1      # padding rows read one row of the pad slot
@@ -115,8 +118,8 @@ class VattnAttnBackend(AttentionBackend):
         self._graph_slots[real:bs].fill_(PAD_SLOT)
         self._graph_seqlens[:bs].copy_(forward_batch.seq_lens[:bs])
         self._graph_seqlens[real:bs].clamp_(max=1)     # the pad slot maps its first page only
-        self.forward_metadata = VattnMetadata(self._graph_slots[:bs], self._graph_seqlens[:bs], None,
-                                              1, self.rows_per_slot)
+        self.forward_metadata = VattnMetadata(self._graph_slots[:bs], self._graph_seqlens[:bs],
+                                              self._graph_cu_q[:bs + 1], 1, self.rows_per_slot)
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """Nothing to record: the captured op reads the buffers written before each replay."""
@@ -126,16 +129,19 @@ class VattnAttnBackend(AttentionBackend):
         slots = self._slots(forward_batch.req_pool_indices)
         seqlens = forward_batch.seq_lens.to(torch.int32)
         max_k = _host_max(forward_batch.seq_lens_cpu, forward_batch.seq_lens)
-        cu_q, max_q = None, 1
-        if forward_batch.forward_mode.is_extend():
+        extend = forward_batch.forward_mode.is_extend()
+        if extend:
             ext = forward_batch.extend_seq_lens.to(torch.int32)
             cu_q = torch.zeros(ext.numel() + 1, dtype=torch.int32, device=ext.device)
             torch.cumsum(ext, dim=0, out=cu_q[1:])
             max_q = _host_max(forward_batch.extend_seq_lens_cpu, ext)
+        else:
+            cu_q = torch.arange(slots.numel() + 1, dtype=torch.int32, device=slots.device)
+            max_q = 1
         host = None
         if self.op_backend == "sdpa":
             seq = forward_batch.seq_lens.tolist()
-            ext = (forward_batch.extend_seq_lens.tolist() if cu_q is not None else [1] * len(seq))
+            ext = (forward_batch.extend_seq_lens.tolist() if extend else [1] * len(seq))
             host = ([s * self.rows_per_slot for s in slots.tolist()],
                     [n - e for n, e in zip(seq, ext)], seq)
         self.forward_metadata = VattnMetadata(slots, seqlens, cu_q, max_q, max_k, host)
@@ -173,7 +179,8 @@ class VattnAttnBackend(AttentionBackend):
             return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
         o = ops.decode(q_, self.cache.k(layer.layer_id), self.cache.v(layer.layer_id),
                        slots=md.slots, seqlens=md.seqlens, max_seqlen_k=md.max_seqlen_k,
-                       scale=layer.scaling, backend=self.op_backend)
+                       scale=layer.scaling, cu_seqlens_q=md.cu_seqlens_q,
+                       backend=self.op_backend)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _rows(self, layer):

@@ -163,6 +163,7 @@ def test_decode_graph_metadata_is_persistent_pads_to_the_pad_slot_and_matches_ea
     q = torch.randn(3, HQ * D, generator=gen)
     k, v = torch.randn(3, HK, D, generator=gen), torch.randn(3, HK, D, generator=gen)
     eager = vattn.backend.forward_decode(q, k, v, layer, fb)
+    assert vattn.backend.forward_metadata.cu_seqlens_q.tolist() == [0, 1, 2, 3]
 
     be = vattn.backend
     with pytest.raises(ConfigError, match="init_cuda_graph_state"):
@@ -175,6 +176,8 @@ def test_decode_graph_metadata_is_persistent_pads_to_the_pad_slot_and_matches_ea
     md = be.forward_metadata
     assert md.slots.data_ptr() == be._graph_slots.data_ptr() and md.slots[3].item() == PAD_SLOT
     assert md.max_seqlen_k == vattn.pool.rows_per_slot and md.seqlens.tolist() == [*seq, 1]
+    assert md.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]                 # built once, not per layer
+    assert md.cu_seqlens_q.data_ptr() == be._graph_cu_q.data_ptr()
     qp = torch.cat([q, torch.randn(1, HQ * D, generator=gen)])
     out = be.forward_decode(qp, None, None, layer, padded, save_kv_cache=False)   # KV stored above
     torch.testing.assert_close(out[:3], eager, rtol=1e-6, atol=1e-6)
