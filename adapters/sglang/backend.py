@@ -81,6 +81,7 @@ class VattnAttnBackend(AttentionBackend):
         if op_backend == "auto" and torch.device(self.device).type == "cpu":
             op_backend = "sdpa"
         self.op_backend = op_backend
+        self._resolved: dict[str, str] = {}              # op -> kernel, resolved at first use
         self.forward_metadata: VattnMetadata | None = None
         self._graph_slots: torch.Tensor | None = None     # decode CUDA graphs: persistent inputs
         self._graph_seqlens: torch.Tensor | None = None
@@ -164,7 +165,7 @@ class VattnAttnBackend(AttentionBackend):
         o = ops.prefill(q_, self.cache.k(layer.layer_id), self.cache.v(layer.layer_id),
                         cu_seqlens_q=md.cu_seqlens_q, slots=md.slots, seqlens_k=md.seqlens,
                         max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k,
-                        scale=layer.scaling, causal=True, backend=self.op_backend)
+                        scale=layer.scaling, causal=True, backend=self._kernel("prefill", q_))
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
@@ -180,8 +181,16 @@ class VattnAttnBackend(AttentionBackend):
         o = ops.decode(q_, self.cache.k(layer.layer_id), self.cache.v(layer.layer_id),
                        slots=md.slots, seqlens=md.seqlens, max_seqlen_k=md.max_seqlen_k,
                        scale=layer.scaling, cu_seqlens_q=md.cu_seqlens_q,
-                       backend=self.op_backend)
+                       backend=self._kernel("decode", q_))
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _kernel(self, op: str, q: torch.Tensor) -> str:
+        """The ``vattn.core.ops`` kernel of ``op``, resolved once (not in every layer's call)."""
+        name = self._resolved.get(op)
+        if name is None:
+            name = self._resolved[op] = ops.resolve_backend(
+                op, device=q.device, dtype=q.dtype, head_dim=q.shape[-1], backend=self.op_backend)
+        return name
 
     def _rows(self, layer):
         return self.pool.get_key_buffer(layer.layer_id), self.pool.get_value_buffer(layer.layer_id)

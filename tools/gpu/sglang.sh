@@ -4,12 +4,13 @@
 # each engine in its own process (adapters/sglang/engine_run.py), sampling_backend="pytorch",
 # SGLANG_USE_SGL_FA3_KERNEL=1, page size 16, radix cache off. Stages (VATTN_STAGES, in order):
 #   tests          the CPU suite against the staged SGLang (pool/allocator/platform/backend)
+#   kernels        the GPU op tests of the sgl_fa3 kernel (decode + prefill vs the reference)
 #   identity       small random Llama (4 layers, d=128, bf16 weights), 32 prompts, stock vs vattn
 #   decode-heavy   Llama-3-8B shape, load_format dummy, 256 x 512 in / 512 out
 #   prefill-heavy  Llama-3-8B shape, load_format dummy, 32 x 16K in / 64 out
 # Default: "identity decode-heavy prefill-heavy". Every stage runs under `timeout` and is skipped
 # (and says so) when less than its minimum is left of VATTN_BUDGET_S (default 530 s, < 9 min).
-# Budgets (min / max s): tests 30/90, identity 200/300, decode-heavy 150/260, prefill-heavy
+# Budgets (min / max s): tests 30/90, kernels 20/120, identity 200/300, decode-heavy 150/260, prefill-heavy
 # 150/260. Measured on the H200 (2026-12-04, prefill graphs still on): the first engine of a fresh
 # machine starts in 104-126 s (torch.compile + graph capture), a later one in ~43 s; stock's
 # decode-heavy generation took 10.9 s. Modes per throughput
@@ -52,9 +53,11 @@ G="python3 -m vattn.adapters.sglang.gpu_run"
 for stage in ${VATTN_STAGES:-identity decode-heavy prefill-heavy}; do
   case "$stage" in
     tests) run_stage tests 30 90 python3 -m pytest -q tests/adapters/sglang -p no:cacheprovider ;;
+    kernels) run_stage kernels 20 120 python3 -m pytest -q -m gpu -k sgl_fa3 -p no:cacheprovider \
+               tests/core/test_ops_decode.py tests/core/test_ops_prefill.py ;;
     identity) run_stage identity 200 300 $G identity --out "$R" ;;
     decode-heavy|prefill-heavy) run_stage "$stage" 150 260 $G "$stage" --out "$R" ;;
-    *) echo "== unknown stage $stage (tests | identity | decode-heavy | prefill-heavy)" | tee -a "$SUM" ;;
+    *) echo "== unknown stage $stage (tests | kernels | identity | decode-heavy | prefill-heavy)" | tee -a "$SUM" ;;
   esac
 done
 echo "== total $(( $(date +%s) - START )) s" | tee -a "$SUM"
