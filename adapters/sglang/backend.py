@@ -1,7 +1,7 @@
 """``--attention-backend vattn``: SGLang attention over vattn's virtually contiguous KV.
 
 Token ``t`` of a request in vattn slot ``s`` has SGLang index ``s * C + t``, so the batch's slots
-(``cache_batch_idx`` of a non-paged kernel) are ``req_to_token[req_pool_indices, 0] // C``: one
+(the one-entry page tables of the kernel) are ``req_to_token[req_pool_indices, 0] // C``: one
 gather of ``B`` values, no per-token ``req_to_token`` gather. Keys are the slot's first
 ``seq_lens[b]`` rows. New K/V are written with the pool's own ``set_kv_buffer`` at
 ``out_cache_loc``.

@@ -45,11 +45,16 @@ def run_vllm(q, k_cache, v_cache, *, cu_seqlens_q, slots, seqlens_k, max_seqlen_
 
 def run_sgl(q, k_cache, v_cache, *, cu_seqlens_q, slots, seqlens_k, max_seqlen_q, max_seqlen_k,
             scale, causal, out):
-    """SGLang's FA3 ``flash_attn_with_kvcache`` on the non-paged cache with ``cache_batch_idx``."""
+    """SGLang's FA3 ``flash_attn_with_kvcache`` with a one-entry page table per request.
+
+    Not ``cache_batch_idx``: with it, sgl-kernel 0.4.5's FA3 faults (illegal address) once the
+    layer view spans more than 2**31 elements, which a serving-sized cache does (seen on the
+    H200, 2026-12-04); the page-table path addresses the same rows with 64-bit offsets.
+    """
     fa = _import("sgl_kernel.flash_attn", "sgl_fa3")
     res = fa.flash_attn_with_kvcache(
         q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=seqlens_k.to(torch.int32),
-        cache_batch_idx=slots.to(torch.int32), cu_seqlens_q=cu_seqlens_q.to(torch.int32),
+        page_table=_one_page_table(slots), cu_seqlens_q=cu_seqlens_q.to(torch.int32),
         max_seqlen_q=int(max_seqlen_q), softmax_scale=float(scale), causal=bool(causal))
     res = res[0] if isinstance(res, tuple) else res
     return _into(res, out)
