@@ -98,6 +98,10 @@ def decode_bandwidth(report: dict, mode: str) -> float | None:
     sampling are counted as free, so this understates what the GPU moved.
     """
     shape = report.get("shape") or []
+    work = report.get("workload")
+    if not shape and isinstance(work, dict):     # SGLang's runner: {"num", "prompt_len", "new_tokens"}
+        shape = [work.get("num"), work.get("prompt_len"), work.get("new_tokens")]
+        shape = shape if all(isinstance(x, int) for x in shape) else []
     secs = _seconds(report, mode)
     if len(shape) < 3 or not secs:
         return None
@@ -133,9 +137,10 @@ def _workload_row(name: str, report: dict, hbm_tbps: float | None) -> str:
     vattn = rows.get("vattn") or {}
     waste = vattn.get("worst_waste_MiB_per_request")
     vmm = vattn.get("vmm_critical_path") or {}
-    crit = (f"{_fmt(vmm.get('apply_total_ms'), '.1f')} ms apply + "
-            f"{_fmt(vmm.get('on_blocks_total_ms'), '.1f')} ms on_blocks; "
-            f"{vmm.get('pages_mapped_on_demand', '—')} pages mapped on demand") if vmm else "—"
+    host = vmm.get("host_ms") or {"apply": vmm.get("apply_total_ms"),        # SGLang | vLLM
+                                   "on_blocks": vmm.get("on_blocks_total_ms")}
+    crit = (" + ".join(f"{_fmt(ms, '.1f')} ms {name}" for name, ms in host.items()) +
+            f"; {vmm.get('pages_mapped_on_demand', '—')} pages mapped on demand") if vmm else "—"
     bw = decode_bandwidth(report, "vattn") if name.split(" (")[0] == "decode-heavy" else None
     share = (f"{bw / 1e12:.2f} TB/s" + (f" ({100 * bw / (hbm_tbps * 1e12):.0f} %)" if hbm_tbps else "")
              if bw else "—")

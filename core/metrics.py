@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-__all__ = ["Histogram", "Counters", "prometheus_collector"]
+__all__ = ["Histogram", "Counters", "prometheus_collector", "jsonable"]
 
 _BOUNDS_US = (5, 10, 20, 40, 80, 160, 320, 640, 1280, 2560, 5120, 10240, 40960, 163840)
 
@@ -69,6 +69,15 @@ class Counters:
             value = getattr(self, name)
             out[name] = value.as_dict() if isinstance(value, Histogram) else value
         return out
+
+
+def jsonable(value):
+    """``value`` (a metrics dict) with string keys and anything not a JSON scalar as its ``repr``."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return repr(value)
 
 
 def prometheus_collector(cache, *, prefix: str = "vattn"):

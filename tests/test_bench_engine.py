@@ -54,6 +54,28 @@ def test_decode_bandwidth_counts_weights_and_kv():
     assert engine.decode_bandwidth(report, "ceiling") is None
 
 
+def test_decode_bandwidth_from_sglang_workload_dict():
+    """SGLang's runner writes ``workload`` as a dict of the shape and ``modes`` for the rows."""
+    report = {"stage": "decode-heavy", "workload": {"num": 2, "prompt_len": 10, "new_tokens": 3},
+              "modes": {"vattn": {"seconds": 2.0}}}
+    kv = 2 * (10 + 11 + 12) * engine._KV_BYTES_PER_TOKEN_8B
+    assert engine.decode_bandwidth(report, "vattn") == pytest.approx((3 * engine._WEIGHT_BYTES_8B + kv) / 2)
+    report["workload"]["num"] = None
+    assert engine.decode_bandwidth(report, "vattn") is None
+
+
+def test_sglang_row_names_the_allocator_host_time():
+    crit = {"host_ms": {"alloc_extend": 1.25, "alloc_decode": 20.0, "free": 0.5},
+            "pages_mapped_on_demand": 0}
+    report = {"stage": "decode-heavy", "workload": {"num": 2, "prompt_len": 10, "new_tokens": 3},
+              "modes": {"stock": {"seconds": 2.2},
+                        "vattn": {"seconds": 2.0, "worst_waste_MiB_per_request": 15.875,
+                                  "vmm_critical_path": crit}}}
+    row = engine._workload_row("decode-heavy", report, 4.27)
+    assert "1.2 ms alloc_extend + 20.0 ms alloc_decode + 0.5 ms free; 0 pages mapped on demand" in row
+    assert "15.9" in row and f"**{2.2 / 2.0:.4f}×**" in row
+
+
 def test_plot_and_section_written(tmp_path):
     pytest.importorskip("matplotlib")
     res_dir = tmp_path / "res"

@@ -12,15 +12,20 @@ are unmapped only after the device finished with them, and only under memory pre
 sees real capacity, not the virtual reservation.
 
 All methods are host-side and may synchronize (they read ``last_loc`` / indices on the host).
+Each call's host time is kept in a histogram; :mod:`.metrics` reports them with the core's counters.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
 from vattn.core.errors import ConfigError, SlotError, UnsupportedError
+from vattn.core.metrics import Histogram
 
+from .metrics import write_if_asked
 from .pool import PAD_SLOT, VattnMHATokenToKVPool
 
 
@@ -70,6 +75,9 @@ class VattnTokenAllocator(BaseTokenToKVPoolAllocator):
         self.rows_per_slot = pool.rows_per_slot
         self._tenant_of = tenant_of
         self._live: set[int] = set()
+        self.prewarmed_pages = pool.prewarmed_pages
+        #: host time of each allocator call (``vattn.adapters.sglang.metrics``)
+        self.extend_us, self.decode_us, self.free_us = Histogram(), Histogram(), Histogram()
         self.clear()
 
     @classmethod
@@ -129,6 +137,7 @@ class VattnTokenAllocator(BaseTokenToKVPoolAllocator):
             when pages ran out (SGLang's convention); slots acquired by this call are then
             released again.
         """
+        t0 = time.perf_counter()
         prefix, seq = prefix_lens_cpu.tolist(), seq_lens_cpu.tolist()
         slots, fresh = [], []
         for last, p, n in zip(last_loc.tolist(), prefix, seq):
@@ -143,7 +152,7 @@ class VattnTokenAllocator(BaseTokenToKVPoolAllocator):
             for slot in fresh:
                 self._release(slot)
             return None
-        return self._locs(slots, prefix, seq)
+        return self._timed(self.extend_us, t0, self._locs(slots, prefix, seq))
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc, **kwargs) -> torch.Tensor | None:
         """Index of position ``seq_lens[i] - 1`` (the new token) of each request.
@@ -151,11 +160,12 @@ class VattnTokenAllocator(BaseTokenToKVPoolAllocator):
         ``seq_lens_cpu`` already counts the new token; ``last_loc`` is the index of position
         ``seq_lens[i] - 2``. Returns ``[B]`` int64, or ``None`` when pages ran out.
         """
+        t0 = time.perf_counter()
         seq = seq_lens_cpu.tolist()
         slots = [self._slot_at(last, n - 2) for last, n in zip(last_loc.tolist(), seq)]
         if self.cache.step(dict(zip(slots, seq))):
             return None
-        return self._locs(slots, [n - 1 for n in seq], seq)
+        return self._timed(self.decode_us, t0, self._locs(slots, [n - 1 for n in seq], seq))
 
     def free(self, free_index: torch.Tensor) -> None:
         """Free token indices; a request's slot is released when its position 0 is freed.
@@ -167,13 +177,18 @@ class VattnTokenAllocator(BaseTokenToKVPoolAllocator):
         if not self.is_not_in_free_group:
             self.free_group.append(free_index)
             return
+        t0 = time.perf_counter()
         idx = free_index.long().cpu()
         heads = idx[idx % self.rows_per_slot == 0] // self.rows_per_slot
-        for slot in sorted(set(heads.tolist()) - {PAD_SLOT}):
+        released = sorted(set(heads.tolist()) - {PAD_SLOT})
+        for slot in released:
             if slot not in self._live:
                 raise SlotError(f"free of slot {slot}'s position 0, but it holds no request "
                                 "(double free?)")
             self._release(slot)
+        self._timed(self.free_us, t0, None)
+        if released and not self._live:
+            write_if_asked(self)        # idle after a batch: benchmarks read the counters here
 
     # -- helpers -------------------------------------------------------------------------------
     def _slot_at(self, loc: int, position: int) -> int:
@@ -182,6 +197,11 @@ class VattnTokenAllocator(BaseTokenToKVPoolAllocator):
             raise SlotError(f"token index {loc} is not position {position} of a live vattn "
                             f"slot (C={self.rows_per_slot}, live={sorted(self._live)})")
         return slot
+
+    @staticmethod
+    def _timed(hist: Histogram, t0: float, result):
+        hist.observe((time.perf_counter() - t0) * 1e6)
+        return result
 
     def _release(self, slot: int) -> None:
         self._live.discard(slot)

@@ -12,7 +12,9 @@ Both modes: ``page_size=16``, radix cache off, ``sampling_backend="pytorch"``, g
 SGLang's decode CUDA graphs (the backend's graph hooks); ``vattn-eager``: vattn without CUDA graphs.
 Every mode runs prefill eagerly (``disable_prefill_cuda_graph``): the vattn backend does not support
 SGLang's prefill graphs yet, so stock runs without them too, like for like.
-Timing: a short warm-up generate first, then one timed ``generate`` of all prompts.
+Timing: a short warm-up generate first, then one timed ``generate`` of all prompts. vattn modes
+also return the allocator's metrics from SGLang's scheduler process (``extra["vattn_metrics"]``,
+:mod:`.metrics`: written when the engine goes idle, so once more inside the timed window, ~1 ms).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 
 MODES = ("stock", "stock-eager", "vattn", "vattn-eager")
@@ -62,8 +65,10 @@ def run(spec: dict) -> dict:
     """Start the engine, warm up, time one generate; return the RunResult fields as a dict."""
     import sglang
 
-    if spec["mode"].startswith("vattn") and os.environ.get("VATTN_SGLANG") != "1":
+    vattn = spec["mode"].startswith("vattn")
+    if vattn and os.environ.get("VATTN_SGLANG") != "1":
         raise RuntimeError("vattn mode needs VATTN_SGLANG=1 in this process's environment")
+    metrics_path = _metrics_path() if vattn else None
     t0 = time.perf_counter()
     engine = sglang.Engine(**engine_kwargs(spec["mode"], spec["model_path"],
                                            spec.get("engine_args", {})))
@@ -83,7 +88,26 @@ def run(spec: dict) -> dict:
                 seconds=seconds, num_prompt_tokens=sum(map(len, prompts)),
                 num_generated_tokens=sum(map(len, ids)),
                 extra=dict(init_s=init_s, mode=spec["mode"],
-                           engine_args=engine_kwargs(spec["mode"], "", spec.get("engine_args", {}))))
+                           engine_args=engine_kwargs(spec["mode"], "", spec.get("engine_args", {})),
+                           vattn_metrics=_read_metrics(metrics_path)))
+
+
+def _metrics_path() -> str:
+    """A fresh file name the scheduler process (spawned later, inheriting the environment) writes
+    the allocator's metrics to (:data:`.metrics.METRICS_ENV`)."""
+    from .metrics import METRICS_ENV
+    path = os.path.join(tempfile.mkdtemp(prefix="vattn-sglang-"), "metrics.json")
+    os.environ[METRICS_ENV] = path
+    return path
+
+
+def _read_metrics(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    if not os.path.exists(path):
+        return {"error": f"the scheduler wrote no metrics to {path} (never idle after a batch?)"}
+    with open(path) as f:
+        return json.load(f)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,10 +5,12 @@
 * ``identity``: a small random Llama (4 layers, hidden 2048, 16 q / 8 kv heads, d=128, std 0.02,
   bf16 safetensors built by :func:`vattn.conformance.models.build_model`), 32 prompts of 64-448
   tokens, 32 new tokens, ``stock`` vs ``vattn``; judged by :func:`vattn.conformance.identity.compare`
-  (near-ties allowed: FA3 vs vattn's kernel) and :func:`check_not_degenerate`;
+  (near-ties allowed; exact on the H200, 2026-12-04) and :func:`check_not_degenerate`;
 * ``decode-heavy`` (256 x 512 in / 512 out) and ``prefill-heavy`` (32 x 16K in / 64 out):
   Llama-3-8B shape, ``load_format="dummy"``, throughput of every mode in ``VATTN_MODES``
-  (default ``stock vattn``; ``stock-eager`` / ``vattn-eager``: the same without CUDA graphs).
+  (default ``stock vattn``; ``stock-eager`` / ``vattn-eager``: the same without CUDA graphs);
+  vattn rows add the allocator's metrics from SGLang's scheduler (:mod:`.metrics`): worst waste
+  per request, host time of ``alloc_extend`` / ``alloc_decode`` / ``free``, pages mapped on demand.
 
 Each stage writes ``DIR/<stage>.json``; engine logs go to ``DIR/logs``. ``VATTN_RUN_TIMEOUT``
 (seconds, default 200) limits one engine run; ``VATTN_SGLANG_ENGINE_ARGS`` (JSON) adds
@@ -27,6 +29,7 @@ from vattn.conformance.models import PRESETS, build_model, check_not_degenerate,
 from vattn.conformance.stages import run_modes
 
 from .conformance import SglangRunner
+from .metrics import critical_path_summary
 
 #: name -> (num prompts, prompt length, new tokens)
 WORKLOADS = {"decode-heavy": (256, 512, 512), "prefill-heavy": (32, 16384, 64)}
@@ -85,12 +88,24 @@ def throughput(out: str, workload: str) -> dict:
     results, errors = run_modes(runner, model, prompts, new, logprobs=0)
     rows = {m: {"seconds": r.seconds, "generated_tok_s": r.num_generated_tokens / r.seconds,
                 "total_tok_s": (r.num_generated_tokens + r.num_prompt_tokens) / r.seconds,
-                "init_s": r.extra.get("init_s")} for m, r in results.items()}
+                "init_s": r.extra.get("init_s"), **_vattn_columns(r.extra.get("vattn_metrics"))}
+            for m, r in results.items()}
     base = rows.get(modes[0])
     for row in rows.values():
         row["speedup_vs_" + modes[0]] = base["seconds"] / row["seconds"] if base else None
     return {"stage": workload, "workload": dict(num=num, prompt_len=length, new_tokens=new),
             "modes": rows, "errors": errors, "ok": not errors}
+
+
+def _vattn_columns(metrics: dict | None) -> dict:
+    """A vattn row's waste and critical-path columns, from the allocator's metrics."""
+    if not metrics:
+        return {}
+    if "error" in metrics:
+        return {"vattn_metrics_error": metrics["error"]}
+    waste = (metrics.get("layout") or {}).get("worst_waste_bytes")
+    return {"worst_waste_MiB_per_request": None if waste is None else waste / 2**20,
+            "vmm_critical_path": critical_path_summary(metrics), "vattn_metrics": metrics}
 
 
 def main(argv=None) -> int:

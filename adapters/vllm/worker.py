@@ -93,17 +93,10 @@ def generate(spec: dict) -> dict:
 def worker_metrics(worker=None) -> dict:
     """The vattn runtime's metrics in this process (JSON-able); run on vLLM workers by RPC."""
     from vattn.adapters.vllm import runtime as rt
+    from vattn.core.metrics import jsonable
     runtime = rt.current()
     found = runtime.metrics() if hasattr(runtime, "metrics") else runtime.cache.metrics()
-    return _jsonable(found)
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    return repr(value)
+    return jsonable(found)
 
 
 def _metrics(llm) -> dict | None:

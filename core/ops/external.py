@@ -61,7 +61,11 @@ def run_sgl(q, k_cache, v_cache, *, cu_seqlens_q, slots, seqlens_k, max_seqlen_q
 
 
 def decode_flash_attn(q, k_cache, v_cache, *, slots, seqlens, scale, out):
-    """flash-attn 2.x ``flash_attn_with_kvcache`` (``q [B, 1, Hq, D]``, ``cache_batch_idx``)."""
+    """flash-attn 2.x ``flash_attn_with_kvcache`` (``q [B, 1, Hq, D]``, ``cache_batch_idx``).
+
+    Not yet run on a GPU past 2**31 elements per layer view (sgl-kernel's FA3 faults there with
+    ``cache_batch_idx``; see :func:`run_sgl`): ``tests/core/test_ops_decode.py`` checks it.
+    """
     fa = _import("flash_attn", "flash_attn")
     res = fa.flash_attn_with_kvcache(
         q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seqlens.to(torch.int32),

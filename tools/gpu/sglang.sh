@@ -44,7 +44,7 @@ pack() { tar -czf "$OUT/sglang_results.tgz" --exclude=sglang/models -C "$W" sgla
 
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)'
+  python3 -W ignore -c 'import torch, sglang; print("torch", torch.__version__, "sglang", sglang.__version__)'
   python3 -c 'from importlib.metadata import entry_points as e; print([x.value for x in e(group="sglang.srt.platforms")])'
 } > "$R/env.txt" 2>&1
 cat "$R/env.txt" >> "$SUM"

@@ -1,0 +1,59 @@
+"""What the vattn allocator did inside SGLang's scheduler process, for benchmarks.
+
+SGLang runs the KV pool and allocator in its scheduler subprocess, out of reach of the process that
+called ``sglang.Engine``. With ``VATTN_SGLANG_METRICS=PATH`` set in the engine's environment the
+allocator writes :func:`allocator_metrics` to ``PATH`` (JSON, replaced atomically) each time its
+last live request is freed, i.e. when the engine goes idle after a batch; the caller reads it after
+``generate`` returns. Counters are cumulative since the engine started (warm-up included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from vattn.core.layout import layout_report
+from vattn.core.metrics import jsonable
+
+#: Environment variable naming the JSON file the allocator writes when it goes idle.
+METRICS_ENV = "VATTN_SGLANG_METRICS"
+
+
+def allocator_metrics(alloc) -> dict:
+    """Core metrics of ``alloc``'s cache, the allocator's host time per call and the layout's
+    worst-case waste per request (JSON-able)."""
+    cache = alloc.cache
+    cfg = cache.config
+    rep = layout_report(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                        head_dim=cfg.head_dim, dtype=cfg.dtype, group_size=cfg.group_size,
+                        split_kv=cfg.split_kv, page_bytes=cache.layout.page_bytes)
+    return jsonable(cache.metrics() | {
+        "alloc_extend_us": alloc.extend_us.as_dict(), "alloc_decode_us": alloc.decode_us.as_dict(),
+        "free_us": alloc.free_us.as_dict(), "prewarmed_pages": alloc.prewarmed_pages,
+        "rows_per_slot": alloc.rows_per_slot, "max_slots": cfg.max_slots,
+        "layout": rep.as_row() | {"worst_waste_bytes": rep.worst_waste_bytes}})
+
+
+def write_if_asked(alloc) -> None:
+    """Write :func:`allocator_metrics` to ``$VATTN_SGLANG_METRICS`` when that is set."""
+    path = os.environ.get(METRICS_ENV)
+    if not path:
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(allocator_metrics(alloc), f)
+    os.replace(tmp, path)
+
+
+def critical_path_summary(m: dict) -> dict:
+    """The allocator's host time (total ms per call kind) and page events, from its metrics."""
+    def total_ms(h):
+        return round((h or {}).get("mean_us", 0) * (h or {}).get("count", 0) / 1e3, 2)
+    return {"host_ms": {"alloc_extend": total_ms(m.get("alloc_extend_us")),
+                        "alloc_decode": total_ms(m.get("alloc_decode_us")),
+                        "free": total_ms(m.get("free_us"))},
+            "alloc_decode_p99_us": (m.get("alloc_decode_us") or {}).get("p99_us"),
+            "pages_mapped_on_demand": m.get("pages_mapped_on_demand"),
+            "pages_prewarmed": m.get("prewarmed_pages"), "unmap_calls": m.get("unmap_calls"),
+            "fence_waits": m.get("fence_waits"), "warm_hits": m.get("warm_hits"),
+            "layout": m.get("layout")}
