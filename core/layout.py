@@ -16,7 +16,7 @@ import torch
 
 from .errors import ConfigError
 
-__all__ = ["KVLayout", "LayoutReport", "layout_report", "LayerPlace"]
+__all__ = ["KVLayout", "LayoutReport", "layout_report", "cache_layout_row", "LayerPlace"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +154,15 @@ def layout_report(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: t
     waste = lay.num_ranges * (page_bytes - min(lay.token_bytes, page_bytes))
     return LayoutReport(group_size, split_kv, lay.num_ranges, lay.token_bytes, lay.tokens_per_page,
                         waste)
+
+
+def cache_layout_row(config, page_bytes: int) -> dict:
+    """:meth:`LayoutReport.as_row` of a :class:`~vattn.core.KVCacheConfig`'s layout, plus its
+    ``worst_waste_bytes`` (what the adapters put in their metrics)."""
+    rep = layout_report(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                        head_dim=config.head_dim, dtype=config.dtype, group_size=config.group_size,
+                        split_kv=config.split_kv, page_bytes=page_bytes)
+    return rep.as_row() | {"worst_waste_bytes": rep.worst_waste_bytes}
 
 
 def _itemsize(dtype: torch.dtype) -> int:

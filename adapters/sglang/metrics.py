@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from vattn.core.layout import layout_report
+from vattn.core.layout import cache_layout_row
 from vattn.core.metrics import jsonable
 
 #: Environment variable naming the JSON file the allocator writes when it goes idle.
@@ -23,15 +23,11 @@ def allocator_metrics(alloc) -> dict:
     """Core metrics of ``alloc``'s cache, the allocator's host time per call and the layout's
     worst-case waste per request (JSON-able)."""
     cache = alloc.cache
-    cfg = cache.config
-    rep = layout_report(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                        head_dim=cfg.head_dim, dtype=cfg.dtype, group_size=cfg.group_size,
-                        split_kv=cfg.split_kv, page_bytes=cache.layout.page_bytes)
     return jsonable(cache.metrics() | {
         "alloc_extend_us": alloc.extend_us.as_dict(), "alloc_decode_us": alloc.decode_us.as_dict(),
         "free_us": alloc.free_us.as_dict(), "prewarmed_pages": alloc.prewarmed_pages,
-        "rows_per_slot": alloc.rows_per_slot, "max_slots": cfg.max_slots,
-        "layout": rep.as_row() | {"worst_waste_bytes": rep.worst_waste_bytes}})
+        "rows_per_slot": alloc.rows_per_slot, "max_slots": cache.config.max_slots,
+        "layout": cache_layout_row(cache.config, cache.layout.page_bytes)})
 
 
 def write_if_asked(alloc) -> None:

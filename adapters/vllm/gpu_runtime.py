@@ -21,7 +21,8 @@ import time
 import numpy as np
 import torch
 
-from vattn.core import KVCacheConfig, VirtualKVCache, layout_report
+from vattn.core import KVCacheConfig, VirtualKVCache
+from vattn.core.layout import cache_layout_row
 from vattn.core.errors import ConfigError, VattnError
 from vattn.core.metrics import Histogram
 
@@ -154,17 +155,13 @@ class GpuRuntime:
     # -- reporting ---------------------------------------------------------------------------------
     def metrics(self) -> dict:
         """Core metrics plus this adapter's step timing and the layout's worst-case waste."""
-        cfg = self.cache.config
-        rep = layout_report(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                            head_dim=cfg.head_dim, dtype=cfg.dtype, group_size=cfg.group_size,
-                            split_kv=cfg.split_kv, page_bytes=self.cache.layout.page_bytes)
         return self.cache.metrics() | {
             "apply_step_us": self.step_us.as_dict(), "on_blocks_us": self.blocks_us.as_dict(),
             "prewarmed_pages": self.prewarmed_pages, "init_s": self.init_s,
             "slot_mapping": "triton" if self.tables.fused else f"torch ({self.tables.fused_error or 'not CUDA'})",
             "block_size": self.block_size, "rows_per_slot": self.rows_per_slot,
             "attn_page_rows": self.attn_rows,
-            "layout": rep.as_row() | {"worst_waste_bytes": rep.worst_waste_bytes}}
+            "layout": cache_layout_row(self.cache.config, self.cache.layout.page_bytes)}
 
     def close(self) -> None:
         self._kv.clear()
