@@ -14,7 +14,8 @@ Every mode runs prefill eagerly (``disable_prefill_cuda_graph``): the vattn back
 SGLang's prefill graphs yet, so stock runs without them too, like for like.
 Timing: a short warm-up generate first, then one timed ``generate`` of all prompts. vattn modes
 also return the allocator's metrics from SGLang's scheduler process (``extra["vattn_metrics"]``,
-:mod:`.metrics`: written when the engine goes idle, so once more inside the timed window, ~1 ms).
+:mod:`.metrics`: written when the engine goes idle, so once inside the timed window: one small
+JSON file write, not timed separately).
 """
 
 from __future__ import annotations
