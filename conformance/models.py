@@ -18,7 +18,7 @@ import torch
 from vattn.core.errors import ConfigError, UnsupportedError
 
 __all__ = ["PRESETS", "build_model", "instantiate", "saved_weights", "check_not_degenerate", "model_shape",
-           "random_prompts", "kv_bytes_per_token", "weight_bytes"]
+           "random_prompts", "kv_bytes_per_token", "weight_bytes", "decode_traffic_bytes"]
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -26,6 +26,10 @@ PRESETS: dict[str, dict] = {
     "llama3-8b-shape": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
                             num_key_value_heads=8, head_dim=128, intermediate_size=14336,
                             vocab_size=128256, max_position_embeddings=32768 + 1024, rope_theta=500000.0),
+    # a 1B-class Llama (Llama-3.2-1B's attention shape: head_dim 64, GQA 4, 128K positions)
+    "llama-1b-shape": dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32,
+                           num_key_value_heads=8, head_dim=64, intermediate_size=8192,
+                           vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0),
 }
 STAMP = "vattn_model.json"
 
@@ -43,6 +47,14 @@ def weight_bytes(config: dict, elem_bytes: int = 2) -> int:
     q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
     layer = h * (2 * q + 2 * kv) + 3 * h * inter + 2 * h      # q, o, k, v; gate, up, down; 2 norms
     return (config["num_hidden_layers"] * layer + 2 * vocab * h + h) * elem_bytes
+
+
+def decode_traffic_bytes(config: dict, num: int, prompt: int, new: int) -> int:
+    """Lower bound of the bytes ``num`` requests of ``prompt`` tokens move while decoding
+    ``new`` tokens each: every step reads all weights once and every running request's KV
+    (prefill and sampling counted as free)."""
+    kv = num * sum(prompt + t for t in range(new)) * kv_bytes_per_token(config)
+    return new * weight_bytes(config) + kv
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

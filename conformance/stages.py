@@ -9,9 +9,10 @@ time for the stage to write its JSON.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
-__all__ = ["run_modes"]
+__all__ = ["run_modes", "run_rounds", "rounds_summary"]
 
 
 def _time_left() -> float | None:
@@ -52,3 +53,36 @@ def _head_and_tail(text: str, limit: int = 3000) -> str:
         return text
     head = text.splitlines()[0][:300]
     return f"{head}\n[...]\n{text[-(limit - len(head)):]}"
+
+
+def run_rounds(runner, model, prompts, new_tokens, *, rounds: int, logprobs: int = 0
+               ) -> tuple[dict, dict]:
+    """Every mode ``rounds`` times, alternated (A B, A B, ...: the machine warms up over a
+    session, so each mode meets every phase): ``({mode: [RunResult per round]}, {mode: [errors]})``."""
+    results, errors = {m: [] for m in runner.modes}, {}
+    for r in range(rounds):
+        got, errs = run_modes(runner, model, prompts, new_tokens, logprobs=logprobs)
+        for mode, res in got.items():
+            results[mode].append(res)
+        for mode, err in errs.items():
+            errors.setdefault(mode, []).append(f"round {r + 1}: {err}")
+    return results, errors
+
+
+def rounds_summary(results: dict, baseline: str) -> dict:
+    """Per mode: each round's seconds, their median / min / max, the median ratio to
+    ``baseline`` (>1: faster) and each round's own ratio (rounds paired in order)."""
+    rows, base = {}, [r.seconds for r in results.get(baseline, [])]
+    for mode, runs in results.items():
+        secs = [r.seconds for r in runs]
+        if not secs:
+            continue
+        row = {"round_s": secs, "seconds": statistics.median(secs), "min_s": min(secs),
+               "max_s": max(secs),
+               "generation_s": [r.extra.get("generation_s") for r in runs],
+               "generated_tok_s": runs[0].num_generated_tokens / statistics.median(secs)}
+        if base:
+            row["ratio_vs_" + baseline] = statistics.median(base) / row["seconds"]
+            row["round_ratios"] = [b / s for b, s in zip(base, secs)]
+        rows[mode] = row
+    return rows

@@ -18,7 +18,7 @@ import torch
 from .config import KVCacheConfig
 from .driver import get_driver
 from .errors import ConfigError, ContextLengthError, DriverError, SlotError, VattnError
-from .layout import KVLayout
+from .layout import KVLayout, cache_layout_row
 from .mapahead import MapAhead
 from .metrics import Counters, prometheus_collector
 from .pages import PagePool
@@ -184,15 +184,17 @@ class VirtualKVCache:
             return slot
 
     def _best_fit(self, idle: np.ndarray, need: int, tenant) -> int:
-        """The idle slot to hand out: enough warm page-sets first, then any warm ones, then the
-        closest count, the same tenant, the longest idle (vectorised: one call per admission)."""
+        """The idle slot to hand out: one holding at least ``need`` page-sets first, the warmest
+        of those (a request grows past its prompt: surplus pages spare it mapping as it decodes,
+        and stay reclaimable), then the same tenant, then the longest idle (vectorised: one call
+        per admission)."""
         have = self._pages.usable_n[idle]
         if self._one_tenant and tenant is None:     # no slot has another tenant: skip the loop
             other = np.zeros(idle.size, dtype=bool)
         else:
             other = np.fromiter((self._tenant[s] != tenant for s in idle.tolist()), dtype=bool,
                                 count=idle.size)
-        order = np.lexsort((self._released_at[idle], other, np.abs(have - need), have == 0, have < need))
+        order = np.lexsort((self._released_at[idle], other, -have, have < need))
         return int(idle[order[0]])
 
     def release(self, slot: int, *, fence=None) -> None:
@@ -328,13 +330,24 @@ class VirtualKVCache:
                 self._cond.wait()
 
     def _grow(self, slot: int, num_sets: int, protect: dict[int, int], exhausted: bool) -> tuple[bool, bool]:
-        """Grow one slot; ``exhausted`` says an earlier reclaim found nothing left to take."""
+        """Grow one slot; ``exhausted`` says an earlier reclaim found nothing left to take.
+
+        Pages the map-ahead worker is mapping into another slot are not reclaimable until it
+        commits them; when only they would close the gap, this waits for the worker, so a
+        shortfall is reported only when the pool is truly short (an engine that counts its
+        own blocks, like vLLM, must never see a spurious one).
+        """
         while slot in self._inflight:                 # a page we may need is being mapped
             self._cond.wait()
         if self._pages.usable(slot) >= num_sets:
             return True, exhausted
-        short = self._pages.missing(slot, num_sets) - self._pool.num_free
-        if short > 0 and (exhausted or self._reclaim(short, protect) < short):
+        while (short := self._pages.missing(slot, num_sets) - self._pool.num_free) > 0:
+            if exhausted or self._reclaim(short, protect) >= short:
+                break
+            if not self._inflight:
+                return False, True
+            self._cond.wait()
+        if self._pages.missing(slot, num_sets) > self._pool.num_free:
             return False, True
         return self._pages.grow(slot, num_sets, self._tenant[slot], ahead=False), exhausted
 
@@ -343,44 +356,60 @@ class VirtualKVCache:
         with self._cond:
             return self._reclaim(num_pages if num_pages is not None else self._pool.num_pages, {})
 
-    def _reclaim(self, want: int, protect: dict[int, int]) -> int:
-        freed = 0
-        for block in (False, True):                   # first only finished fences, then wait
-            for slot, keep in self._victims(protect):
+    def _reclaim(self, want: int, protect: dict[int, int], *, idle_only: bool = False,
+                 block: bool = True) -> int:
+        """Free at least ``want`` pages from :meth:`_victims`, taking from each victim only the
+        page-sets still needed; ``block=False`` skips victims whose fence has not completed."""
+        freed, ranges = 0, self.layout.num_ranges
+        slots, keeps = self._victims(protect, idle_only=idle_only)
+        for wait in ((False, True) if block else (False,)):   # finished fences first, then wait
+            for slot, keep in zip(slots.tolist(), keeps.tolist()):
                 if freed >= want:
                     return freed
                 fence = self._fence[slot]
                 if fence is not None and not fence.done():
-                    if not block:
+                    if not wait:
                         continue
                     self._counters.fence_waits += 1
                     fence.wait()
-                freed += self._pages.trim(slot, keep)
+                held_sets = max(map(len, self._pages.mapped[slot]))
+                target = max(keep, held_sets - -(-(want - freed) // ranges))
+                freed += self._pages.trim(slot, target)
         return freed
 
-    def _victims(self, protect: dict[int, int]) -> list[tuple[int, int]]:
-        """``(slot, page-sets to keep)``: idle slots oldest first, then active slots' surplus.
+    def _victims(self, protect: dict[int, int], *, idle_only: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, page-sets to keep)``: idle slots oldest first (keep 0), then the surplus of
+        active slots (vectorised over the slots).
 
         ``protect`` maps a slot to the page-sets the current call needs it to keep (beyond its
-        own length); only what lies above both may be taken.
+        own length); only what lies above both may be taken. Slots being mapped in the
+        background are never victims.
         """
-        idle = sorted((s for s in range(self.config.max_slots)
-                       if not self._active[s] and s not in self._inflight and self._pages.held(s)),
-                      key=lambda s: self._released_at[s])
-        surplus = [(s, max(self.layout.pages_for(self._length[s]), protect.get(s, 0)))
-                   for s in range(self.config.max_slots) if self._active[s] and s not in self._inflight]
-        return [(s, 0) for s in idle] + [(s, k) for s, k in surplus if self._pages.held(s) > k * len(self._pages.bases)]
-
-    def _reclaimable(self) -> int:
-        """Pages :meth:`reclaim` could free now: what :meth:`_victims` lists, summed (vectorised)."""
         n, lay = self.config.max_slots, self.layout
         held = self._pages.held_n[:n]
-        free_to_take = ~np.isin(np.arange(n), list(self._inflight)) if self._inflight else True
+        takeable = np.ones(n, dtype=bool)
+        if self._inflight:
+            takeable[list(self._inflight)] = False
         active = self._active[:n]
-        keep = -(-self._length[:n] * lay.token_bytes // lay.page_bytes) * len(self._pages.bases)
-        idle = ~active & free_to_take
-        surplus = active & free_to_take & (held > keep)
-        return int(held[idle].sum() + (held - keep)[surplus].sum())
+        idle = np.flatnonzero(~active & takeable & (held > 0))
+        idle = idle[np.argsort(self._released_at[idle], kind="stable")]
+        if idle_only:
+            return idle, np.zeros(idle.size, dtype=np.int64)
+        keep = -(-self._length[:n] * lay.token_bytes // lay.page_bytes)
+        if protect:
+            ps = np.fromiter(protect.keys(), dtype=np.int64, count=len(protect))
+            pk = np.fromiter(protect.values(), dtype=np.int64, count=len(protect))
+            inside = ps < n
+            keep[ps[inside]] = np.maximum(keep[ps[inside]], pk[inside])
+        surplus = np.flatnonzero(active & takeable & (held > keep * lay.num_ranges))
+        return (np.concatenate([idle, surplus]),
+                np.concatenate([np.zeros(idle.size, dtype=np.int64), keep[surplus]]))
+
+    def _reclaimable(self) -> int:
+        """Pages :meth:`reclaim` could free now: what :meth:`_victims` lists, summed."""
+        slots, keep = self._victims({})
+        return int((self._pages.held_n[slots] - keep * self.layout.num_ranges).sum())
 
     # -- queries ------------------------------------------------------------------------------------
     def mapped_tokens(self, slot: int) -> int:
@@ -409,16 +438,28 @@ class VirtualKVCache:
     def metrics(self) -> dict:
         """Gauges and counters as a plain dict (see :func:`prometheus_collector`)."""
         with self._cond:
-            lay, slots = self.layout, range(self.config.max_slots)
-            active = [s for s in slots if self._active[s]]
-            used = sum(self._length[s] for s in active) * lay.token_bytes * lay.num_ranges
-            held_active = sum(self._pages.held(s) for s in active) * lay.page_bytes
-            warm = sum(self._pages.held(s) for s in slots if not self._active[s]) * lay.page_bytes
+            lay, n = self.layout, self.config.max_slots
+            active, held = self._active[:n], self._pages.held_n[:n]
+            used = int(self._length[:n][active].sum()) * lay.token_bytes * lay.num_ranges
+            held_active = int(held[active].sum()) * lay.page_bytes
+            warm = int(held[~active].sum()) * lay.page_bytes
             gauges = {"pages_total": self._pool.num_pages, "pages_free": self._pool.num_free,
-                      "pages_mapped": self._pool.num_used, "active_slots": len(active),
+                      "pages_mapped": self._pool.num_used, "active_slots": int(active.sum()),
                       "warm_bytes": warm, "waste_bytes": held_active - used,
                       "mapped_bytes": self._pool.num_used * lay.page_bytes}
             return gauges | self._counters.as_dict()
+
+    def summary(self, *, prewarm_s: float | None = None) -> str:
+        """One line for an engine's start-up log: layout, tokens per page-set, slots, pages,
+        pre-warm and the worst waste per request (what engines log of their KV cache size)."""
+        cfg, lay, m = self.config, self.layout, self.metrics()
+        row = cache_layout_row(cfg, lay.page_bytes)
+        warm = f", {m['pages_mapped']} pre-warmed" + (f" in {prewarm_s:.2f} s" if prewarm_s else "")
+        return (f"vattn KV cache: {row['layout']} ({lay.num_ranges} VA ranges of {lay.page_bytes >> 20} "
+                f"MiB pages), {lay.tokens_for(1)} tokens per page-set, {cfg.max_slots} slots of "
+                f"{cfg.max_context} tokens, {m['pages_total']} pages "
+                f"({m['pages_total'] * lay.page_bytes / 2**30:.2f} GiB){warm}, map-ahead "
+                f"{cfg.map_ahead_tokens} tokens, worst waste {row['worst_waste_MiB']:.2f} MiB per request")
 
     def prometheus_collector(self, *, prefix: str = "vattn"):
         """A Prometheus collector for this cache (needs ``prometheus_client``)."""

@@ -48,7 +48,9 @@ class KVCacheConfig:
     device : str | torch.device
         ``"cpu"`` uses the host backend, ``"cuda[:N]"`` the CUDA VMM backend.
     map_ahead_tokens : int
-        Tokens beyond each running slot's length that a background worker maps ahead (0: off).
+        Tokens beyond each running slot's length that a background worker maps ahead when
+        :meth:`~vattn.core.VirtualKVCache.step` is called (default 0: off, no thread; engines
+        whose requests grow step by step turn it on).
     """
 
     num_layers: int
@@ -63,7 +65,7 @@ class KVCacheConfig:
     page_bytes: int | None = None
     scrub: str = "tenant"
     device: str | torch.device = "cpu"
-    map_ahead_tokens: int = 256
+    map_ahead_tokens: int = 0
 
     def __post_init__(self):
         if self.group_size is None and isinstance(self.num_layers, int) and self.num_layers > 0:

@@ -1,5 +1,8 @@
 """Map-ahead: a background thread maps each running slot's next page-set while the GPU computes.
 
+Pages come from the free pool, else from idle slots (oldest released first, finished fences
+only): moving warm pages to the requests that grow happens here, off the critical path.
+
 Two phases per page-set so the engine thread is never blocked behind a VMM call it does not need:
 ``plan`` (under the cache lock: take pages from the pool, mark the slot in flight), ``execute``
 (no lock: map, grant access, scrub, wait for the scrub), ``commit`` (under the lock: record).
@@ -85,8 +88,8 @@ class MapAhead:
             if not cache._active[slot] or have >= target or len(counts) != 1 or max(counts) != have:
                 del self.jobs[slot]            # done, gone, or left half-mapped by a fault
                 continue
-            pids = cache._pool.take(len(pages.bases))
-            if pids is None:                   # no free pages: never evict for a guess
+            pids = self._take(len(pages.bases))
+            if pids is None:                   # nothing free, nothing idle to take: stop guessing
                 self.jobs.clear()
                 return None
             if have + 1 >= target:
@@ -97,6 +100,18 @@ class MapAhead:
             cache._inflight.add(slot)
             return _Plan(slot, have, pids, zero, tenant)
         return None
+
+    def _take(self, num: int) -> list[int] | None:
+        """``num`` free pool pages; when the pool is dry, first unmap them from the idle slot
+        released longest ago (never from a running request, never waiting on a fence), so a
+        growing request takes the pages an even pre-warm left on slots nobody uses, here rather
+        than on the step's critical path."""
+        cache = self.cache
+        pids = cache._pool.take(num)
+        if pids is None and cache._reclaim(num - cache._pool.num_free, {}, idle_only=True,
+                                           block=False):
+            pids = cache._pool.take(num)
+        return pids
 
     def _execute(self, plan: _Plan) -> None:
         cache, pages = self.cache, self.cache._pages

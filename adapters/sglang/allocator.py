@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
@@ -75,6 +76,7 @@ class VattnTokenAllocator(BaseTokenToKVPoolAllocator):
         self.rows_per_slot = pool.rows_per_slot
         self._tenant_of = tenant_of
         self._live: set[int] = set()
+        self._is_live = np.zeros(self.cache.layout.num_va_slots, dtype=bool)   # == _live, vectorised
         self.prewarmed_pages = pool.prewarmed_pages
         #: host time of each allocator call (``vattn.adapters.sglang.metrics``)
         self.extend_us, self.decode_us, self.free_us = Histogram(), Histogram(), Histogram()
@@ -138,34 +140,41 @@ class VattnTokenAllocator(BaseTokenToKVPoolAllocator):
             released again.
         """
         t0 = time.perf_counter()
-        prefix, seq = prefix_lens_cpu.tolist(), seq_lens_cpu.tolist()
-        slots, fresh = [], []
-        for last, p, n in zip(last_loc.tolist(), prefix, seq):
-            if p > 0:
-                slots.append(self._slot_at(last, p - 1))
-                continue
+        prefix, seq = _host_ints(prefix_lens_cpu), _host_ints(seq_lens_cpu)
+        slots = np.empty(seq.size, dtype=np.int64)
+        cont = prefix > 0
+        if cont.any():
+            last = _host_ints(last_loc)
+            slots[cont] = self._slots_at(last[cont], prefix[cont] - 1)
+        fresh = []
+        for i in np.flatnonzero(~cont).tolist():
             tenant = self._tenant_of() if self._tenant_of else None
-            slots.append(self.cache.acquire(tenant=tenant, expected_len=int(n)))
-            self._live.add(slots[-1])
-            fresh.append(slots[-1])
-        if self.cache.ensure(dict(zip(slots, seq))):
+            slots[i] = slot = self.cache.acquire(tenant=tenant, expected_len=int(seq[i]))
+            self._hold(slot)
+            fresh.append(slot)
+        if self.cache.ensure(slots, seq):
             for slot in fresh:
                 self._release(slot)
             return None
-        return self._timed(self.extend_us, t0, self._locs(slots, prefix, seq))
+        counts = seq - prefix
+        starts = slots * self.rows_per_slot + prefix - (np.cumsum(counts) - counts)
+        locs = np.repeat(starts, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+        return self._timed(self.extend_us, t0, torch.from_numpy(locs).to(self.device))
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc, **kwargs) -> torch.Tensor | None:
         """Index of position ``seq_lens[i] - 1`` (the new token) of each request.
 
         ``seq_lens_cpu`` already counts the new token; ``last_loc`` is the index of position
-        ``seq_lens[i] - 2``. Returns ``[B]`` int64, or ``None`` when pages ran out.
+        ``seq_lens[i] - 2``, so the new token's index is ``last_loc + 1`` (computed on the
+        device; the host reads ``last_loc`` once to find the slots to map). Returns ``[B]``
+        int64, or ``None`` when pages ran out.
         """
         t0 = time.perf_counter()
-        seq = seq_lens_cpu.tolist()
-        slots = [self._slot_at(last, n - 2) for last, n in zip(last_loc.tolist(), seq)]
-        if self.cache.step(dict(zip(slots, seq))):
+        seq = _host_ints(seq_lens_cpu)
+        slots = self._slots_at(_host_ints(last_loc), seq - 2)
+        if self.cache.step(slots, seq):
             return None
-        return self._timed(self.decode_us, t0, self._locs(slots, [n - 1 for n in seq], seq))
+        return self._timed(self.decode_us, t0, last_loc.to(torch.int64) + 1)
 
     def free(self, free_index: torch.Tensor) -> None:
         """Free token indices; a request's slot is released when its position 0 is freed.
@@ -191,24 +200,33 @@ class VattnTokenAllocator(BaseTokenToKVPoolAllocator):
             write_if_asked(self)        # idle after a batch: benchmarks read the counters here
 
     # -- helpers -------------------------------------------------------------------------------
-    def _slot_at(self, loc: int, position: int) -> int:
-        slot, row = divmod(int(loc), self.rows_per_slot)
-        if slot not in self._live or row != position:
-            raise SlotError(f"token index {loc} is not position {position} of a live vattn "
-                            f"slot (C={self.rows_per_slot}, live={sorted(self._live)})")
-        return slot
+    def _slots_at(self, locs: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Slots of token indices ``locs``, each checked to be ``positions`` of a live slot."""
+        slots, rows = np.divmod(locs, self.rows_per_slot)
+        inside = (slots >= 0) & (slots < self._is_live.size)
+        ok = inside & (rows == positions)
+        ok[inside] &= self._is_live[slots[inside]]
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            raise SlotError(f"token index {int(locs[i])} is not position {int(positions[i])} of a "
+                            f"live vattn slot (C={self.rows_per_slot}, live={sorted(self._live)})")
+        return slots
 
     @staticmethod
     def _timed(hist: Histogram, t0: float, result):
         hist.observe((time.perf_counter() - t0) * 1e6)
         return result
 
+    def _hold(self, slot: int) -> None:
+        self._live.add(slot)
+        self._is_live[slot] = True
+
     def _release(self, slot: int) -> None:
         self._live.discard(slot)
+        self._is_live[slot] = False
         self.cache.release(slot)
 
-    def _locs(self, slots, starts, ends) -> torch.Tensor:
-        parts = [s * self.rows_per_slot + torch.arange(int(a), int(b))
-                 for s, a, b in zip(slots, starts, ends)]
-        out = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        return out.to(device=self.device, dtype=torch.int64)
+
+def _host_ints(t) -> np.ndarray:
+    """A 1-D integer tensor as an int64 numpy array on the host (one copy if on a device)."""
+    return t.detach().to("cpu", torch.int64).numpy()

@@ -45,12 +45,15 @@ class SglangRunner:
         Wall limit of one run (engine start included).
     log_dir : str, optional
         Where each run's stdout/stderr go (default: a temporary folder).
+    generations : int
+        Timed generations per engine (the result's ``seconds`` is the best; each is in
+        ``extra["generation_s"]``).
     """
 
     name = "sglang"
 
     def __init__(self, *, modes=("stock", "vattn"), engine_args=None, timeout_s: float = 420,
-                 log_dir: str | None = None):
+                 log_dir: str | None = None, generations: int = 1):
         bad = [m for m in modes if m not in MODES]
         if bad or not modes:
             raise UnsupportedError(f"sglang runner modes must be among {MODES}, got {modes!r}")
@@ -58,6 +61,7 @@ class SglangRunner:
         self.engine_args = dict(engine_args or {})
         self.timeout_s = float(timeout_s)
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="vattn-sglang-")
+        self.generations = int(generations)
 
     def run(self, mode, model_dir, prompts, max_new_tokens, *, logprobs=5, device="cpu",
             dtype="bfloat16", arrival_times=None) -> RunResult:
@@ -79,7 +83,7 @@ class SglangRunner:
         if arrival_times is not None:
             raise UnsupportedError("the sglang runner submits all prompts at once (no arrivals)")
         spec = dict(mode=mode, model_path=model_dir, prompts=prompts, logprobs=logprobs,
-                    max_new_tokens=max_new_tokens,
+                    max_new_tokens=max_new_tokens, generations=self.generations,
                     engine_args=dict(self.engine_args, dtype=dtype))
         return self._launch(mode, spec)
 

@@ -7,7 +7,8 @@
   tokens, 32 new tokens, ``stock`` vs ``vattn``; judged by :func:`vattn.conformance.identity.compare`
   (near-ties allowed; exact on the H200, 2026-12-04) and :func:`check_not_degenerate`;
 * ``decode-heavy`` (256 x 512 in / 512 out) and ``prefill-heavy`` (32 x 16K in / 64 out):
-  Llama-3-8B shape, ``load_format="dummy"``, throughput of every mode in ``VATTN_MODES``
+  a ``VATTN_SHAPE`` preset (Llama-3-8B or 1B shape), ``load_format="dummy"``, SGLang's own
+  sizing (``VATTN_SIZING``), ``VATTN_ROUNDS`` alternated rounds of every mode in ``VATTN_MODES``
   (default ``stock vattn``; ``stock-eager`` / ``vattn-eager``: the same without CUDA graphs);
   vattn rows add the allocator's metrics from SGLang's scheduler (:mod:`.metrics`): worst waste
   per request, host time of ``alloc_extend`` / ``alloc_decode`` / ``free``, pages mapped on demand.
@@ -25,15 +26,15 @@ import os
 import sys
 
 from vattn.conformance.identity import compare
-from vattn.conformance.models import PRESETS, build_model, check_not_degenerate, random_prompts
-from vattn.conformance.stages import run_modes
+from vattn.conformance.models import (PRESETS, build_model, check_not_degenerate,
+                                      decode_traffic_bytes, random_prompts)
+from vattn.conformance.stages import rounds_summary, run_modes, run_rounds
 
 from .conformance import SglangRunner
 from .metrics import critical_path_summary
 
 #: name -> (num prompts, prompt length, new tokens)
 WORKLOADS = {"decode-heavy": (256, 512, 512), "prefill-heavy": (32, 16384, 64)}
-LLAMA3_8B = dict(PRESETS["llama3-8b-shape"], max_position_embeddings=16384 + 1024)
 IDENTITY_MODEL = dict(num_hidden_layers=4, hidden_size=2048, num_attention_heads=16,
                       num_key_value_heads=8, head_dim=128, intermediate_size=4096,
                       vocab_size=32000, max_position_embeddings=4096)
@@ -52,11 +53,11 @@ def _model(out: str, name: str, fields: dict, *, weights: bool) -> str:
     return path
 
 
-def _runner(out: str, modes, **engine_args) -> SglangRunner:
+def _runner(out: str, modes, generations: int = 1, **engine_args) -> SglangRunner:
     engine_args.update(json.loads(os.environ.get("VATTN_SGLANG_ENGINE_ARGS", "{}")))
     return SglangRunner(modes=tuple(modes), engine_args=engine_args,
                         timeout_s=float(os.environ.get("VATTN_RUN_TIMEOUT", 200)),
-                        log_dir=os.path.join(out, "logs"))
+                        log_dir=os.path.join(out, "logs"), generations=generations)
 
 
 def identity(out: str) -> dict:
@@ -78,22 +79,40 @@ def identity(out: str) -> dict:
 
 
 def throughput(out: str, workload: str) -> dict:
-    """Tokens/s of every mode on a Llama-3-8B-shaped dummy model."""
+    """Tokens/s of every mode, ``VATTN_ROUNDS`` rounds alternated, on a dummy-weight model.
+
+    ``VATTN_SHAPE`` picks the preset (default ``llama3-8b-shape``; ``llama-1b-shape``).
+    ``VATTN_SIZING=defaults`` (default) leaves SGLang's sizing alone (``mem_fraction_static``,
+    ``max_running_requests``, the model's context length): only vattn's activation differs
+    between modes; ``tuned`` trims them to the workload. ``VATTN_GENERATIONS`` timed
+    generations per engine (default 2; each round counts its best).
+    """
     num, length, new = WORKLOADS[workload]
-    model = _model(out, "llama3-8b-shape", LLAMA3_8B, weights=False)
-    prompts = random_prompts(num, length, vocab_size=LLAMA3_8B["vocab_size"], seed=1)
+    preset = os.environ.get("VATTN_SHAPE", "llama3-8b-shape")
+    if preset not in PRESETS:
+        raise SystemExit(f"VATTN_SHAPE must be one of {sorted(PRESETS)}, got {preset!r}")
+    fields = PRESETS[preset]
+    model = _model(out, preset, fields, weights=False)
+    prompts = random_prompts(num, length, vocab_size=fields["vocab_size"], seed=1)
     modes = os.environ.get("VATTN_MODES", "stock vattn").split()
-    runner = _runner(out, modes, load_format="dummy", max_running_requests=num,
-                     context_length=length + new + 64, mem_fraction_static=0.85)
-    results, errors = run_modes(runner, model, prompts, new, logprobs=0)
-    rows = {m: {"seconds": r.seconds, "generated_tok_s": r.num_generated_tokens / r.seconds,
-                "total_tok_s": (r.num_generated_tokens + r.num_prompt_tokens) / r.seconds,
-                "init_s": r.extra.get("init_s"), **_vattn_columns(r.extra.get("vattn_metrics"))}
-            for m, r in results.items()}
-    base = rows.get(modes[0])
-    for row in rows.values():
-        row["speedup_vs_" + modes[0]] = base["seconds"] / row["seconds"] if base else None
-    return {"stage": workload, "workload": dict(num=num, prompt_len=length, new_tokens=new),
+    sizing = os.environ.get("VATTN_SIZING", "defaults")
+    args = dict(load_format="dummy")
+    if sizing == "tuned":
+        args.update(max_running_requests=num, context_length=length + new + 64,
+                    mem_fraction_static=0.85)
+    elif sizing != "defaults":
+        raise SystemExit(f"VATTN_SIZING must be 'defaults' or 'tuned', got {sizing!r}")
+    runner = _runner(out, modes, generations=int(os.environ.get("VATTN_GENERATIONS", 2)), **args)
+    rounds = int(os.environ.get("VATTN_ROUNDS", 1))
+    results, errors = run_rounds(runner, model, prompts, new, rounds=rounds)
+    rows = rounds_summary(results, modes[0])
+    traffic = decode_traffic_bytes(fields, num, length, new)
+    for mode, row in rows.items():
+        row["decode_lower_bound_GBps"] = traffic / row["seconds"] / 1e9
+        row.update(_vattn_columns(results[mode][-1].extra.get("vattn_metrics")))
+        row["init_s"] = [r.extra.get("init_s") for r in results[mode]]
+    return {"stage": workload, "model_preset": preset, "sizing": sizing, "rounds": rounds,
+            "engine_args": args, "workload": dict(num=num, prompt_len=length, new_tokens=new),
             "modes": rows, "errors": errors, "ok": not errors}
 
 

@@ -12,11 +12,16 @@ which constructs it with its own arguments; direct use: :meth:`VattnMHATokenToKV
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from vattn.core import KVCacheConfig, VirtualKVCache
 from vattn.core.errors import ConfigError, UnsupportedError
+
+logger = logging.getLogger(__name__)
 
 #: Slot reserved for SGLang's padding index 0.
 PAD_SLOT = 0
@@ -71,7 +76,7 @@ class VattnMHATokenToKVPool(MHATokenToKVPool):
                                    f"(no pipeline parallelism), got {start_layer}..{end_layer}")
         if cache is None:
             from .sizing import cache_config, sglang_bounds
-            context, reqs = sglang_bounds()
+            context, reqs = sglang_bounds(int(size))
             cache = VirtualKVCache(cache_config(
                 num_tokens=size, dtype=dtype, head_num=head_num, head_dim=head_dim,
                 layer_num=layer_num, device=str(device), max_context=context, max_requests=reqs))
@@ -89,7 +94,9 @@ class VattnMHATokenToKVPool(MHATokenToKVPool):
         # SGLang sizes its token pool up front: map it now, an even share per slot, so admitting
         # a request reuses warm pages instead of mapping on the step's critical path (the pages
         # stay reclaimable, so the physical available size below is unchanged)
+        start = time.perf_counter()
         self.prewarmed_pages = cache.prewarm()
+        logger.info(cache.summary(prewarm_s=time.perf_counter() - start))
         cap = cache.capacity()
         #: requests the cache can hold at once: its slots, and physically (one page-set each)
         self.max_requests = cfg.max_slots - 1

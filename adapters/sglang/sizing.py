@@ -7,8 +7,10 @@ The KV pool is not handed the request pool, so vattn derives its two bounds:
 
 * ``max_context``: the request-pool row length, ``model context_len +
   get_req_to_token_extra_context_len(server_args)`` from SGLang's published ``ServerArgs``;
-* ``max_requests``: the page-sets SGLang's token budget buys (a live request holds at least
-  one), capped by ``--max-running-requests`` when the user gave it.
+* ``max_requests``: the request-pool size SGLang resolves (``--max-running-requests``, else its
+  own default from the token budget and the context length), capped by the page-sets the
+  budget buys (a live request holds at least one). A slot SGLang can never fill would only
+  thin the pre-warmed share of the slots it does fill.
 
 The physical page budget is the page-sets holding ``max_total_num_tokens`` tokens plus
 the two padding page-sets (the core's padding slot and the pool's slot 0), so an idle allocator
@@ -33,8 +35,13 @@ PAGE_BYTES = 2 << 20
 PAD_PAGE_SETS = 2
 
 
-def sglang_bounds() -> tuple[int, int | None]:
-    """``(max_context, max_requests or None)`` from SGLang's published ``ServerArgs``.
+def sglang_bounds(num_tokens: int) -> tuple[int, int]:
+    """``(max_context, max_requests)`` for a pool of ``num_tokens`` tokens, from SGLang's
+    published ``ServerArgs``.
+
+    ``max_requests`` is the request-pool size SGLang itself resolves from the same inputs
+    (:func:`sglang_max_requests`), so the cache has no more slots than SGLang can run at once;
+    :func:`check_fit` compares both bounds with the real ``ReqToTokenPool`` later.
 
     Raises
     ------
@@ -49,11 +56,22 @@ def sglang_bounds() -> tuple[int, int | None]:
     except ValueError as exc:
         raise ConfigError("the vattn SGLang pool sizes itself from SGLang's published server "
                           f"args, which are not set in this process: {exc}") from exc
-    context = args.get_model_config().context_len + get_req_to_token_extra_context_len(args)
+    model_context = args.get_model_config().context_len
+    context = model_context + get_req_to_token_extra_context_len(args)
     reqs = args.max_running_requests
     if reqs is not None:
         reqs = max(1, reqs // max(1, get_parallel().attn_dp_size))
-    return int(context), reqs
+    return int(context), sglang_max_requests(num_tokens, model_context, reqs)
+
+
+def sglang_max_requests(num_tokens: int, context_len: int, requested: int | None) -> int:
+    """Concurrent requests SGLang 0.5.17 allows per worker (its
+    ``KVCacheConfigurator.resolve_max_num_reqs`` for a model without Mamba state):
+    ``--max-running-requests`` if given, else ``num_tokens / context_len * 512`` clamped to
+    ``[2048, 4096]``; never more than ``num_tokens // 2``."""
+    if requested is None:
+        requested = max(min(int(num_tokens / context_len * 512), 4096), 2048)
+    return max(1, min(int(requested), num_tokens // 2))
 
 
 def cache_config(*, num_tokens: int, dtype: torch.dtype, head_num: int, head_dim: int,

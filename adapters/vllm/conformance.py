@@ -106,6 +106,8 @@ class VllmRunner:
                     prompts=prompts, max_new_tokens=max_new_tokens, logprobs=logprobs,
                     max_model_len=_round_up(longest, 256), max_num_seqs=self.max_num_seqs)
         spec.update(self.engine_args)
+        if spec.get("sizing") == "defaults":      # the engine sizes itself (see worker.engine_kwargs)
+            spec["max_model_len"] = spec["max_num_seqs"] = None
         return spec
 
     def env_for(self, spec: dict) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 
 import torch
 
@@ -26,6 +27,9 @@ from vattn.core.errors import ConfigError, UnsupportedError
 
 from . import gpu_layout
 from . import runtime as rt
+
+#: a child of vLLM's own ``vllm`` logger, so the start-up line prints with vLLM's log format
+logger = logging.getLogger("vllm.vattn")
 
 __all__ = ["install_gpu", "PATCHES", "bind_kv_views"]
 
@@ -101,6 +105,8 @@ def start_runtime(kv_cache_config, *, device, max_num_reqs: int, max_model_len: 
     runtime = GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max_num_tokens,
                          attn_margin=gpu_layout.EXACT_MARGIN if exact else 0, max_model_len=max_model_len)
     rt.install(runtime)
+    logger.info("%s (vLLM blocks of %d tokens = page-sets)",
+                runtime.cache.summary(prewarm_s=runtime.prewarm_s), block)
     return runtime
 
 

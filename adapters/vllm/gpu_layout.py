@@ -110,10 +110,12 @@ def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
 
     ``page_budget`` = ``num_blocks`` page-sets: one for the padding slot (vLLM keeps block 0 as
     its null block, never handed to a request) and exactly the ``num_blocks - 1`` the scheduler
-    may hand out. The background map-ahead is off: vLLM asks for each block just in time, and
-    pages mapped ahead would be pages the scheduler believes are free; instead the runtime
-    pre-warms every slot with an even share of the pool at start (see
-    :meth:`~vattn.core.cache.VirtualKVCache.prewarm`). Scrubbing stays the core's ``"tenant"``
+    may hand out. The runtime pre-warms every slot with an even share of the pool at start (see
+    :meth:`~vattn.core.cache.VirtualKVCache.prewarm`), and map-ahead keeps one block beyond each
+    running request's blocks mapped (``map_ahead_tokens`` = one block): a request outgrowing its
+    share gets its next block in the background, taken from the free pool or from idle slots,
+    not on the step's path when vLLM hands the block out. A block mapped ahead stays
+    reclaimable, so vLLM's free-block count and vattn's pool never disagree. Scrubbing stays the core's ``"tenant"``
     policy with one tenant: a page is zeroed once, when first mapped (stock vLLM allocates its
     pool with ``torch.zeros``; FA3 reads whole tiles, so a page must never hold NaN garbage), and
     not again when a slot is reused; with the pre-warm that zeroing happens at start.
@@ -128,7 +130,7 @@ def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
     return KVCacheConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          dtype=dtype, max_slots=max_num_reqs, max_context=max_context,
                          group_size=group, page_budget=num_blocks * page_set, page_bytes=PAGE_BYTES,
-                         device=device, map_ahead_tokens=0)
+                         device=device, map_ahead_tokens=block)
 
 
 def check_engine_config(vllm_config) -> None:

@@ -161,11 +161,21 @@ def _memory_columns(mode: str, metrics: dict | None, plen: int, new: int) -> dic
     return row
 
 
+def _sizing() -> dict:
+    """Engine arguments of ``VATTN_SIZING``: ``defaults`` (default; vLLM's own ``max_num_seqs``,
+    ``max_model_len`` = the model's 131,072 positions, batch and memory sizing) or ``tuned``
+    (trimmed to the workload, as the first GPU runs were)."""
+    sizing = os.environ.get("VATTN_SIZING", "defaults")
+    if sizing not in ("defaults", "tuned"):
+        raise SystemExit(f"VATTN_SIZING must be 'defaults' or 'tuned', got {sizing!r}")
+    return {"sizing": "defaults"} if sizing == "defaults" else {"max_num_batched_tokens": 16384}
+
+
 def stage_throughput(args) -> dict:
     from vattn.conformance.throughput import summarize
     num, plen, new, seqs, model, prompts = _workload(args)
     runner = _runner(args.out, args.workload, seqs, _modes("VATTN_MODES", "stock vattn ceiling"),
-                     load_format="dummy", max_num_batched_tokens=16384,
+                     load_format="dummy", **_sizing(),
                      repeats=int(os.environ.get("VATTN_REPEATS", "2")))
     results, errors = _run_all(runner, model, prompts, new, logprobs=0)
     report = {"workload": args.workload, "shape": [num, plen, new, seqs], "errors": errors,
@@ -190,10 +200,10 @@ def stage_paired(args) -> dict:
     modes = _modes("VATTN_PAIR", "stock vattn")
     runner = VllmRunner(device="cuda", max_num_seqs=seqs, modes=tuple(modes), tag=f"paired-{args.workload}",
                         log_dir=os.path.join(args.out, "logs"),
-                        engine_args=dict(load_format="dummy", max_num_batched_tokens=16384,
+                        engine_args=dict(load_format="dummy", **_sizing(),
                                          gpu_memory_utilization=float(os.environ.get("VATTN_PAIR_MEM", 0.44))))
     report = {"workload": args.workload, "shape": [num, plen, new, seqs], "errors": {}, "ok": False,
-              "rows": {}}
+              "rows": {}, "sizing": os.environ.get("VATTN_SIZING", "defaults")}
     out = run_paired(runner, modes, model, prompts, new, rounds=int(os.environ.get("VATTN_ROUNDS", 4)),
                      device="cuda", dtype="bfloat16")
     summary = report["paired"] = paired_summary(out, modes[0])

@@ -6,8 +6,8 @@ Engine-free (vattn.core + torch only), so it runs on the host backend in CI. The
 * a request index receives blocks (``BlockTables.append_block_ids``) -> :meth:`GpuRuntime.on_blocks`
   (a new request first acquires a slot);
 * once per step, before the inputs are prepared (``BlockTables.apply_staged_writes``) ->
-  :meth:`GpuRuntime.apply`: one ``ensure`` for every request that got blocks, then the
-  index -> slot table is uploaded;
+  :meth:`GpuRuntime.apply`: one ``step`` (ensure, then one block mapped ahead in the
+  background) for every request that got blocks, then the index -> slot table is uploaded;
 * a request leaves (``GPUModelRunner._remove_request``) -> :meth:`GpuRuntime.release` (the core
   records a CUDA event on the current stream; pages stay warm and are unmapped only after it).
 
@@ -79,8 +79,11 @@ class GpuRuntime:
         self.step_us = Histogram()             # host time of apply() (ensure + upload) per step
         self.blocks_us = Histogram()           # host time of on_blocks() (incl. acquire) per call
         # every slot starts with an even share of the pool mapped: vLLM hands out blocks of a
-        # pool it sized up front, so mapping it now takes the VMM calls off the step's path
+        # pool it sized up front, so mapping it now takes the VMM calls off the step's path;
+        # requests that outgrow their share are served by map-ahead (see gpu_layout.cache_config)
+        warm_start = time.perf_counter()
         self.prewarmed_pages = self.cache.prewarm()
+        self.prewarm_s = time.perf_counter() - warm_start
         self.init_s = time.perf_counter() - start
 
     # -- host side ---------------------------------------------------------------------------
@@ -113,7 +116,9 @@ class GpuRuntime:
             slots = np.fromiter((self._slot[i] for i in indices), dtype=np.int64, count=len(indices))
             lengths = np.fromiter(self._pending.values(), dtype=np.int64, count=len(indices))
             self._pending.clear()
-            failed = self.cache.ensure(slots, lengths)   # a reused warm slot's surplus stays reclaimable
+            # ensure + one block mapped ahead in the background (a reused warm slot's surplus
+            # stays reclaimable)
+            failed = self.cache.step(slots, lengths)
             if failed:
                 raise VattnError(f"vattn could not map pages for slots {failed} although vLLM "
                                  f"allocated their blocks; capacity: {self.cache.capacity()}")

@@ -20,7 +20,9 @@ STOCK_BLOCK_SIZE = 16   # the paged baseline of the design notes
 def engine_kwargs(spec: dict) -> dict:
     """``LLM(...)`` arguments for a mode: ``stock`` (paged), ``ceiling`` (one block per request), ``vattn``.
 
-    On GPU: ``stock`` is ``FLASH_ATTN`` with 16-token blocks, ``ceiling`` the same kernel with one
+    ``sizing="defaults"`` in the spec leaves ``max_model_len``, ``max_num_seqs``,
+    ``max_num_batched_tokens`` and (unless given) ``gpu_memory_utilization`` to vLLM, as a user
+    who only turns vattn on would. On GPU: ``stock`` is ``FLASH_ATTN`` with 16-token blocks, ``ceiling`` the same kernel with one
     ``max_model_len`` block per request (``num_gpu_blocks_override = max_num_seqs + 1``, block 0
     being vLLM's null block), ``vattn`` the ``CUSTOM`` backend with the block size it prefers
     (tokens per page-set; ``vattn_block_size`` in the spec forces one).
@@ -28,12 +30,14 @@ def engine_kwargs(spec: dict) -> dict:
     mode, gpu = spec["mode"], spec["device"].startswith("cuda")
     max_len, max_seqs = spec["max_model_len"], spec["max_num_seqs"]
     kw = dict(model=spec["model_dir"], skip_tokenizer_init=True, dtype=spec["dtype"], seed=0,
-              max_model_len=max_len, max_num_seqs=max_seqs, enable_prefix_caching=False,
-              enforce_eager=spec.get("enforce_eager", not gpu),
-              load_format=spec.get("load_format", "auto"),
-              max_num_batched_tokens=spec.get("max_num_batched_tokens", max(max_len, 2048)))
+              enable_prefix_caching=False, enforce_eager=spec.get("enforce_eager", not gpu),
+              load_format=spec.get("load_format", "auto"))
+    if spec.get("sizing") != "defaults":    # else vLLM's own: the model's length, its batch sizes
+        kw.update(max_model_len=max_len, max_num_seqs=max_seqs,
+                  max_num_batched_tokens=spec.get("max_num_batched_tokens", max(max_len, 2048)))
     if gpu:
-        kw["gpu_memory_utilization"] = spec.get("gpu_memory_utilization", 0.85)
+        if spec.get("sizing") != "defaults" or "gpu_memory_utilization" in spec:
+            kw["gpu_memory_utilization"] = spec.get("gpu_memory_utilization", 0.85)
         kw["attention_backend"] = "CUSTOM" if mode.startswith("vattn") else "FLASH_ATTN"
         if mode == "stock":
             kw["block_size"] = STOCK_BLOCK_SIZE
@@ -47,6 +51,9 @@ def engine_kwargs(spec: dict) -> dict:
                 torch_profiler_with_stack=False, delay_iterations=spec.get("profile_delay", 0),
                 max_iterations=spec.get("profile_steps", 0))
     if mode == "ceiling":
+        if spec.get("sizing") == "defaults":
+            raise ValueError("the ceiling mode sizes one block per request: it needs "
+                             "max_model_len and max_num_seqs (VATTN_SIZING=tuned)")
         kw["block_size"] = max_len
         kw["num_gpu_blocks_override"] = max_seqs + 1
     return kw

@@ -82,9 +82,10 @@ def test_out_of_pages_is_reported_not_raised_and_reclaims_idle_first():
         cache.release(a, fence=fence)
         assert cache.ensure({b: int(10 * per)}) == []             # needs a's pages: waits on its fence
         assert fence.waited == 1 and cache.metrics()["pages_reclaimed"] > 0
-        c = cache.acquire()
+        c = cache.acquire()                                       # a's slot: what is left of it
+        had = cache.mapped_tokens(c)
         assert cache.ensure({c: int(5 * per)}) == [c]             # nothing left: shortfall
-        assert cache.metrics()["shortfalls"] == 1 and cache.mapped_tokens(c) == 0
+        assert cache.metrics()["shortfalls"] == 1 and cache.mapped_tokens(c) == had < 5 * per
         assert not cache.can_fit(int(5 * per))
         cache.audit()
 

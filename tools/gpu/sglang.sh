@@ -56,7 +56,7 @@ for stage in ${VATTN_STAGES:-identity decode-heavy prefill-heavy}; do
     kernels) run_stage kernels 20 120 python3 -m pytest -q -m gpu -k sgl_fa3 -p no:cacheprovider \
                tests/core/test_ops_decode.py tests/core/test_ops_prefill.py ;;
     identity) run_stage identity 200 300 $G identity --out "$R" ;;
-    decode-heavy|prefill-heavy) run_stage "$stage" 150 260 $G "$stage" --out "$R" ;;
+    decode-heavy|prefill-heavy) run_stage "$stage" 150 "${VATTN_STAGE_MAX_S:-260}" $G "$stage" --out "$R" ;;
     *) echo "== unknown stage $stage (tests | kernels | identity | decode-heavy | prefill-heavy)" | tee -a "$SUM" ;;
   esac
 done

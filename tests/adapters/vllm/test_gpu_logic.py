@@ -40,7 +40,8 @@ def test_cache_config_budget_is_num_blocks_page_sets():
     cfg = gl.cache_config(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
                           num_blocks=37, max_num_reqs=5, max_model_len=1000, device="cpu", group_size=4)
     assert cfg.page_budget == 37 * 8 * gl.PAGE_BYTES       # 8 ranges of 2 MiB per block
-    assert cfg.max_context == 1024 and cfg.max_slots == 5 and cfg.map_ahead_tokens == 0
+    assert cfg.max_context == 1024 and cfg.max_slots == 5
+    assert cfg.map_ahead_tokens == 128                     # one block (page-set) ahead
 
 
 def test_exact_mode_reserves_spare_rows_and_env_is_checked(monkeypatch):

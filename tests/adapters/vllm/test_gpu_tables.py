@@ -159,9 +159,10 @@ def test_runtime_maps_one_page_set_per_block_and_releases():
         rt.on_blocks(2, 2, new_request=False)
         rt.apply()
         assert rt.cache.mapped_tokens(s2) >= 2 * block
+        rt.cache.wait()                                 # the block mapped ahead has landed
         rt.release(0)
         assert rt.slot(0) is None and rt.tables.slot_of_index[0] == rt.cache.padding_slot
-        rt.on_blocks(1, 3, new_request=True)           # the warm slot that fits best comes back
+        rt.on_blocks(1, 3, new_request=True)           # the warmest idle slot comes back
         rt.apply()
         assert rt.slot(1) == s0 and rt.cache.metrics()["warm_hits"] >= 1
         with pytest.raises(VattnError):
@@ -211,6 +212,7 @@ def test_surplus_of_a_warm_slot_reused_in_the_same_step_is_reclaimable():
     try:
         rt.on_blocks(0, 3, new_request=True)
         rt.apply()
+        rt.cache.wait()                                 # the block mapped ahead has landed
         warm = rt.slot(0)
         rt.release(0)
         rt.on_blocks(1, 1, new_request=True)
