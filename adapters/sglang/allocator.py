@@ -5,7 +5,8 @@ SGLang's scheduler allocates KV through its *paged* allocator interface whenever
 ``alloc_decode``); those calls carry each request's prefix/sequence lengths and ``last_loc``
 (the index of its last stored token), which is all vattn needs: a request continuing from
 ``last_loc`` lives in slot ``last_loc // C``; a fresh one (``last_loc == -1``) acquires a slot.
-Allocating maps the pages covering the new tokens (``VirtualKVCache.ensure`` / ``step``).
+Allocating maps the pages covering the new tokens (``VirtualKVCache.step``: what the call needs
+now, and ``map_ahead_tokens`` more in the background while the GPU runs the batch).
 ``free`` releases a request's slot when its position 0 is freed (the core records a fence: pages
 are unmapped only after the device finished with them, and only under memory pressure).
 ``available_size`` reports what the *physical* page pool can still hold, so admission control
@@ -152,7 +153,7 @@ class VattnTokenAllocator(BaseTokenToKVPoolAllocator):
             slots[i] = slot = self.cache.acquire(tenant=tenant, expected_len=int(seq[i]))
             self._hold(slot)
             fresh.append(slot)
-        if self.cache.ensure(slots, seq):
+        if self.cache.step(slots, seq):           # the decode pages after these mapped ahead
             for slot in fresh:
                 self._release(slot)
             return None

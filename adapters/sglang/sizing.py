@@ -33,6 +33,9 @@ from vattn.core.layout import KVLayout
 PAGE_BYTES = 2 << 20
 #: Page-sets held for padding: the core's padding slot and the pool's slot 0.
 PAD_PAGE_SETS = 2
+#: Slots beyond SGLang's own request count (its count may round differently; a slot costs
+#: only address space until a request takes it).
+SPARE_SLOTS = 8
 
 
 def sglang_bounds(num_tokens: int) -> tuple[int, int]:
@@ -61,7 +64,8 @@ def sglang_bounds(num_tokens: int) -> tuple[int, int]:
     reqs = args.max_running_requests
     if reqs is not None:
         reqs = max(1, reqs // max(1, get_parallel().attn_dp_size))
-    return int(context), sglang_max_requests(num_tokens, model_context, reqs)
+    # a few spare slots: SGLang resolves from its token capacity before page alignment
+    return int(context), sglang_max_requests(num_tokens, model_context, reqs) + SPARE_SLOTS
 
 
 def sglang_max_requests(num_tokens: int, context_len: int, requested: int | None) -> int:

@@ -138,3 +138,22 @@ def test_platform_turns_the_default_prefill_graph_off_and_refuses_one_asked_for(
     with pytest.raises(ConfigError, match="disable-prefill-cuda-graph"):
         plat.apply_server_args_defaults(asked)
     assert asked.cuda_graph_config.prefill.backend == "breakable"
+
+
+@pytest.mark.parametrize("tokens", [600, 70_000, 3_500_000])
+@pytest.mark.parametrize("requested", [None, 3, 5000])
+def test_slot_count_is_sglang_s_own_request_count(sglang_server_args, monkeypatch, tokens, requested):
+    """vattn's slots follow SGLang's own ``resolve_max_num_reqs`` (a slot SGLang never fills
+    would thin every slot's pre-warmed share): the formula is checked against SGLang's code."""
+    from types import SimpleNamespace as NS
+
+    from sglang.srt.mem_cache import kv_cache_configurator as kcc
+
+    from vattn.adapters.sglang.sizing import sglang_max_requests
+    mc = sglang_server_args.get_model_config()
+    monkeypatch.setattr(kcc, "get_schedule", lambda: NS(max_running_requests=requested))
+    configurator = object.__new__(kcc.KVCacheConfigurator)
+    configurator.model_config, configurator.ps, configurator.mambaish_config = \
+        mc, NS(attn_dp_size=1), None
+    assert sglang_max_requests(tokens, mc.context_len, requested) == \
+        configurator.resolve_max_num_reqs(tokens)
