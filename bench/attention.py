@@ -16,32 +16,51 @@ import time
 
 import torch
 
+from vattn import argtypes
 from vattn.bench.flex_paged import FLEX_PAGE, flex_paged_runner
+from vattn.bench.limits import check_fits
 from vattn.bench.paged_baselines import bench_us, hbm_copy_tbps, paged_copy, paged_decoders, paged_prefillers
 from vattn.bench.vmm_backed import on_vmm
+from vattn.core.errors import ConfigError
 from vattn.core.ops import DECODE_ORDER, PREFILL_ORDER, decode, is_supported, prefill
 from vattn.core.ops.synthetic import group_views
 
-__all__ = ["MODEL_SHAPES", "add_arguments", "run", "measure_decode", "measure_prefill"]
+__all__ = ["MODEL_SHAPES", "DEFAULT_SIZES", "add_arguments", "run", "measure_decode", "measure_prefill",
+           "resolve_sizes", "peak_bytes"]
 
 #: name -> (q_heads, kv_heads, head_dim): the paper's shapes
 MODEL_SHAPES = {"llama3-8b": (32, 8, 128), "yi-6b": (32, 4, 128), "yi-34b": (56, 8, 128)}
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+#: default sizes per device type: the paper's grid on CUDA, a small correctness grid on the CPU
+#: (the reference path holds a [heads, q, keys] fp32 score matrix per request)
+DEFAULT_SIZES = {
+    "cuda": {"contexts": (1024, 4096, 16384, 32768, 65536, 131072), "batches": (1, 16, 64, 256),
+             "prefill_contexts": (4096, 16384, 32768)},
+    "cpu": {"contexts": (256, 1024), "batches": (1, 4), "prefill_contexts": (256,)},
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default="llama3-8b,yi-6b,yi-34b")
-    parser.add_argument("--contexts", default="1024,4096,16384,32768,65536,131072")
-    parser.add_argument("--batches", default="1,16,64,256")
-    parser.add_argument("--prefill-contexts", default="4096,16384,32768")
-    parser.add_argument("--ops", default="decode,prefill")
+    sizes = lambda key: " / ".join(f"{','.join(map(str, s[key]))} on {d.upper()}"
+                                   for d, s in DEFAULT_SIZES.items())
+    parser.add_argument("--models", type=argtypes.name_list(MODEL_SHAPES), default=tuple(MODEL_SHAPES))
+    parser.add_argument("--contexts", type=argtypes.int_list, default=None,
+                        help=f"decode contexts (default: {sizes('contexts')})")
+    parser.add_argument("--batches", type=argtypes.int_list, default=None,
+                        help=f"decode batches (default: {sizes('batches')})")
+    parser.add_argument("--prefill-contexts", type=argtypes.int_list, default=None,
+                        help=f"prefill contexts (default: {sizes('prefill_contexts')})")
+    parser.add_argument("--ops", type=argtypes.name_list(("decode", "prefill")), default=("decode", "prefill"))
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
-    parser.add_argument("--group-size", type=int, default=2, help="layer group G of the views")
-    parser.add_argument("--max-tokens", type=int, default=2 << 20, help="skip batch x context above")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--group-size", type=argtypes.positive_int, default=2, help="layer group G of the views")
+    parser.add_argument("--max-tokens", type=argtypes.positive_int, default=2 << 20,
+                        help="skip batch x context above")
+    parser.add_argument("--device", type=argtypes.device, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=os.environ.get("OUT", "reports"), help="output folder")
     parser.add_argument("--no-report", action="store_true", help="do not write BENCHMARKS.md")
-    parser.add_argument("--budget-s", type=float, default=None,
+    parser.add_argument("--budget-s", type=argtypes.non_negative_float, default=None,
                         help="start no new shape after this many seconds; the report lists the "
                              "shapes left out")
     parser.add_argument("--flex", action="store_true",
@@ -50,6 +69,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run every vattn kernel on a real VirtualKVCache (2 MiB pages mapped "
                              "one by one; rows named BACKEND@vmm) holding the same data: the cost of "
                              "the page mapping itself (TLB reach), apart from the layout")
+
+
+def resolve_sizes(args) -> None:
+    """Fill the size flags left unset with :data:`DEFAULT_SIZES` of ``args.device``'s type."""
+    defaults = DEFAULT_SIZES["cuda" if torch.device(args.device).type == "cuda" else "cpu"]
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def peak_bytes(op: str, shape, batch: int, ctx: int, *, dtype, device, group: int,
+               flex: bool = False, vmm: bool = False) -> int:
+    """Estimated peak memory of one measured shape (views, q/out, copies, reference temporaries)."""
+    hq, hk, dim = shape
+    elem = torch.empty((), dtype=dtype).element_size()
+    rows = -(-ctx // 256) * 256
+    views = (batch + 1) * rows * group * 2 * hk * dim * elem
+    kv = batch * ctx * 2 * hk * dim * elem                      # one copy of the KV read
+    q_rows = batch * ctx if op == "prefill" else batch
+    need = views * (2 if vmm else 1) + 2 * q_rows * hq * dim * elem
+    if torch.device(device).type == "cuda":
+        return need + kv * (2 if flex else 1)                   # the paged copies
+    q_len = ctx if op == "prefill" else 1                       # reference: one request at a time,
+    return need + 4 * (2 * ctx * hq * dim + 3 * hq * q_len * ctx)   # fp32 K/V per head, 3 score copies
 
 
 def _views(shape, batch, ctx, dtype, device, group):
@@ -167,31 +210,60 @@ def _rows(op, model, batch, ctx, times, paged, kv_bytes, hbm, *, flops) -> list[
 
 def _grid(args):
     dtype = _DTYPES[args.dtype]
-    ops = args.ops.split(",")
-    models = args.models.split(",")
     # prefill first (few shapes), so a run cut by --budget-s still has every model's prefill
-    for model in models if "prefill" in ops else ():
-        for ctx in (int(c) for c in args.prefill_contexts.split(",")):
+    for model in args.models if "prefill" in args.ops else ():
+        for ctx in args.prefill_contexts:
             yield measure_prefill, model, MODEL_SHAPES[model], 1, ctx, dtype
-    for model in models if "decode" in ops else ():
-        for ctx in (int(c) for c in args.contexts.split(",")):
-            for batch in (int(b) for b in args.batches.split(",")):
+    for model in args.models if "decode" in args.ops else ():
+        for ctx in args.contexts:
+            for batch in args.batches:
                 if batch * ctx <= args.max_tokens:
                     yield measure_decode, model, MODEL_SHAPES[model], batch, ctx, dtype
 
 
+def _check_grid(args, grid) -> None:
+    """Refuse an empty grid, or one whose largest shape does not fit in the device's memory."""
+    if not grid:
+        raise ConfigError(f"no shape to measure: every batch x context of --batches "
+                          f"{_csv(args.batches)} and --contexts {_csv(args.contexts)} exceeds --max-tokens "
+                          f"{args.max_tokens}")
+
+    def need(item) -> int:
+        fn, _, shape, batch, ctx, dtype = item
+        return peak_bytes(_op(fn), shape, batch, ctx, dtype=dtype, device=args.device,
+                          group=args.group_size, flex=args.flex, vmm=args.vmm)
+
+    biggest = max(grid, key=need)
+    fn, model, _, batch, ctx, _ = biggest
+    hint = "pass smaller --contexts / --batches / --prefill-contexts (or --max-tokens)"
+    if torch.device(args.device).type != "cuda":
+        hint += ", or run on a GPU (--device cuda)"
+    check_fits(f"{_op(fn)} {model} B={batch} ctx={ctx}", need(biggest), args.device, hint=hint)
+
+
+def _op(measure) -> str:
+    return measure.__name__.removeprefix("measure_")
+
+
+def _csv(values) -> str:
+    return ",".join(map(str, values))
+
+
 def run(args) -> int:
+    """Measure the grid of the flags; refused up front (``ConfigError``) if it cannot fit here."""
+    resolve_sizes(args)
+    grid = list(_grid(args))
+    _check_grid(args, grid)
     device = torch.device(args.device)
     hbm = hbm_copy_tbps(device)
     print(f"measured copy bandwidth: {hbm:.2f} TB/s", flush=True)
     os.makedirs(args.out, exist_ok=True)
     partial = os.path.join(args.out, "attention.rows.jsonl")   # one line per row, as measured
     start, results, left_out = time.perf_counter(), [], []
-    grid = list(_grid(args))
     with open(partial, "w") as log:
         for i, (fn, model, shape, batch, ctx, dtype) in enumerate(grid):
             if i and args.budget_s is not None and time.perf_counter() - start > args.budget_s:
-                left_out = [f"{f.__name__[8:]} {m} B={b} ctx={c}" for f, m, _, b, c, _ in grid[i:]]
+                left_out = [f"{_op(f)} {m} B={b} ctx={c}" for f, m, _, b, c, _ in grid[i:]]
                 print(f"budget of {args.budget_s:.0f} s spent: {len(left_out)} shapes left out",
                       flush=True)
                 break
@@ -253,10 +325,12 @@ def _command_args(args) -> str:
     """The run's arguments as a command line (flags that are off and unset values left out)."""
     parts = []
     for key, value in vars(args).items():
-        if key in ("out", "func", "command") or value is None or value is False:
+        if key in ("out", "func", "command", "bench") or key.startswith("_") or value is None \
+                or value is False:
             continue
         flag = "--" + key.replace("_", "-")
-        parts.append(flag if value is True else f"{flag} {value}")
+        shown = _csv(value) if isinstance(value, (tuple, list)) else value
+        parts.append(flag if value is True else f"{flag} {shown}")
     return " ".join(parts)
 
 

@@ -16,19 +16,16 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 
-from vattn.bench.engine_profile import load_profiles, profile_markdown
-from vattn.conformance.models import PRESETS, kv_bytes_per_token, weight_bytes
+from vattn import argtypes
+from vattn.bench.engine_profile import load_profiles, profile_markdown, read_stage_json
+from vattn.conformance.models import PRESETS, decode_traffic_bytes
 from vattn.core.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "load_results", "markdown", "plot", "decode_bandwidth"]
 
 _ORDER = ("decode-heavy", "prefill-heavy", "long-context")
-#: Llama-3-8B shape, bf16: the bytes a decode step must read besides KV, and KV bytes per token
-_WEIGHT_BYTES_8B = weight_bytes(PRESETS["llama3-8b-shape"])
-_KV_BYTES_PER_TOKEN_8B = kv_bytes_per_token(PRESETS["llama3-8b-shape"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
     parser.add_argument("--title", default=None, help="BENCHMARKS section title")
     parser.add_argument("--command", default=None, help="the GPU command(s) that produced the results")
-    parser.add_argument("--hbm-tbps", type=float, default=None,
+    parser.add_argument("--hbm-tbps", type=argtypes.positive_float, default=None,
                         help="measured HBM copy bandwidth (TB/s) for the decode-heavy share column")
     parser.add_argument("--png", default=None, help="write the ratio plot here")
     parser.add_argument("--date", default=None, help="when the run was made (default: the stage JSONs' "
@@ -53,7 +50,7 @@ def load_results(folder: str) -> dict:
     Raises
     ------
     ConfigError
-        The folder holds no stage JSON.
+        The folder is missing, holds no stage JSON, or a stage JSON is not valid.
     """
     if not os.path.isdir(folder):
         raise ConfigError(f"--results: expected a folder of stage JSONs, got {folder!r} (no such folder)")
@@ -62,20 +59,17 @@ def load_results(folder: str) -> dict:
                        glob.glob(os.path.join(folder, "*-heavy.json"))):
         if os.path.basename(path).startswith(("paired_", "profile_")):
             continue        # read below / by load_profiles, not a one-engine-at-a-time run
-        with open(path) as f:
-            report = json.load(f)
+        report = read_stage_json(path)
         name = report.get("workload") or report.get("stage")
         if isinstance(name, dict) or not name:
             name = os.path.basename(path)[:-5].removeprefix("throughput_")
         workloads[name] = report
     for path in sorted(glob.glob(os.path.join(folder, "paired_*.json"))):   # two engines up at once
-        with open(path) as f:
-            report = json.load(f)
+        report = read_stage_json(path)
         workloads[f"{report.get('workload') or os.path.basename(path)[7:-5]} (paired)"] = report
     identity = None
     if os.path.exists(os.path.join(folder, "identity.json")):
-        with open(os.path.join(folder, "identity.json")) as f:
-            identity = json.load(f)
+        identity = read_stage_json(os.path.join(folder, "identity.json"))
     profiles = load_profiles(folder)
     if not workloads and identity is None and not profiles:
         raise ConfigError(f"--results: {folder!r} holds no throughput_*.json, profile_*.json "
@@ -92,7 +86,8 @@ def _rows(report: dict) -> dict:
 
 
 def decode_bandwidth(report: dict, mode: str) -> float | None:
-    """Lower bound of the bytes/s a decode-heavy run moved (Llama-3-8B shape), or None.
+    """Lower bound of the bytes/s a decode-heavy run moved (the report's ``model_preset``,
+    default the Llama-3-8B shape), or None.
 
     Every decode step reads all weights once and the KV of every running request; prefill and
     sampling are counted as free, so this understates what the GPU moved.
@@ -105,9 +100,8 @@ def decode_bandwidth(report: dict, mode: str) -> float | None:
     secs = _seconds(report, mode)
     if len(shape) < 3 or not secs:
         return None
-    num, prompt, new = shape[:3]
-    kv = num * sum(prompt + t for t in range(new)) * _KV_BYTES_PER_TOKEN_8B
-    return (new * _WEIGHT_BYTES_8B + kv) / secs
+    preset = PRESETS.get(report.get("model_preset") or "llama3-8b-shape")
+    return decode_traffic_bytes(preset, *shape[:3]) / secs
 
 
 def _fmt(x, spec=".2f", none="—"):
@@ -254,6 +248,8 @@ def plot(results: dict, path: str) -> str | None:
 
 def run(args) -> int:
     from vattn.bench.report import write_section
+    if args.notes and not os.path.isfile(args.notes):
+        raise ConfigError(f"--notes: expected a markdown file, got {args.notes!r} (no such file)")
     results = load_results(args.results)
     png = plot(results, args.png) if args.png else None
     body = markdown(results, hbm_tbps=args.hbm_tbps, png=png)

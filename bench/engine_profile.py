@@ -11,7 +11,9 @@ import glob
 import json
 import os
 
-__all__ = ["load_profiles", "profile_markdown"]
+from vattn.core.errors import ConfigError
+
+__all__ = ["load_profiles", "profile_markdown", "read_stage_json"]
 
 _FAMILIES = ("attention", "gemm", "kv store", "slot tables", "other")
 
@@ -20,10 +22,28 @@ def load_profiles(folder: str) -> dict:
     """``{workload: report}`` of the ``profile_*.json`` files in ``folder`` (empty if none)."""
     found = {}
     for path in sorted(glob.glob(os.path.join(folder, "profile_*.json"))):
-        with open(path) as f:
-            report = json.load(f)
+        report = read_stage_json(path)
         found[report.get("workload") or os.path.basename(path)[8:-5]] = report
     return found
+
+
+def read_stage_json(path: str) -> dict:
+    """One stage JSON as a dict.
+
+    Raises
+    ------
+    ConfigError
+        The file is not a JSON object (a stage cut off mid-write, or another file of that name).
+    """
+    with open(path) as f:
+        try:
+            report = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--results: expected stage JSON in {path!r}, got invalid JSON ({exc}); "
+                              f"re-run the stage or move the file away") from exc
+    if not isinstance(report, dict):
+        raise ConfigError(f"--results: expected a JSON object in {path!r}, got {type(report).__name__}")
+    return report
 
 
 def _ratio(a, b) -> str:

@@ -16,18 +16,21 @@ import time
 import torch
 from tqdm import tqdm
 
+from .. import argtypes
 from ..core.metrics import Histogram
+from .limits import check_fits
 from .report import command_line, write_section
 
 __all__ = ["add_arguments", "run", "generation"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=256, help="requests of the generation")
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--new", type=int, default=512, help="tokens generated per request")
-    parser.add_argument("--generations", type=int, default=3, help="timed generations (after one warm-up)")
+    parser.add_argument("--device", type=argtypes.device, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=argtypes.positive_int, default=256, help="requests of the generation")
+    parser.add_argument("--prompt", type=argtypes.positive_int, default=512)
+    parser.add_argument("--new", type=argtypes.positive_int, default=512, help="tokens generated per request")
+    parser.add_argument("--generations", type=argtypes.positive_int, default=3,
+                        help="timed generations (after one warm-up)")
     parser.add_argument("--benchmarks", default="BENCHMARKS.md", help="file to write the section to")
     parser.add_argument("--no-report", action="store_true", help="print only, leave BENCHMARKS.md")
     parser.add_argument("--json", default=None, help="also write the raw numbers here")
@@ -46,6 +49,8 @@ def _runtime(device: str, batch: int, max_len: int):
     cfg = KVCacheConfig(num_layers=32, num_kv_heads=heads, head_dim=dim, dtype=dtype, max_slots=batch,
                         max_context=context, group_size=4, page_budget=(batch * context // block + 1)
                         * pages_per_set * page, page_bytes=page, device=device, map_ahead_tokens=0)
+    check_fits(f"{batch} requests of {max_len} tokens", cfg.page_budget, device,
+               hint="lower --batch, --prompt or --new")
     names = [f"model.layers.{i}.self_attn.attn" for i in range(32)]
     return GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max(batch, 8192))
 
@@ -85,9 +90,6 @@ def generation(rt, *, batch: int, prompt: int, new: int) -> dict:
 
 
 def run(args) -> int:
-    for name in ("batch", "prompt", "new", "generations"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name} must be >= 1, got {getattr(args, name)}")
     rt = _runtime(args.device, args.batch, args.prompt + args.new)
     try:
         generation(rt, batch=args.batch, prompt=args.prompt, new=args.new)          # warm-up

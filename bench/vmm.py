@@ -11,24 +11,39 @@ import time
 import torch
 from tqdm import tqdm
 
+from .. import argtypes
 from ..core import KVCacheConfig, VirtualKVCache
 from ..core.driver import get_driver
+from .limits import check_fits
 from .report import command_line, write_section
 
-__all__ = ["add_arguments", "run", "call_latency", "decode_loop"]
+__all__ = ["add_arguments", "run", "call_latency", "decode_loop", "model_shape"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--pages", type=int, default=256, help="pages per latency measurement")
-    parser.add_argument("--batches", default="1,64,256", help="decode batch sizes")
-    parser.add_argument("--steps", type=int, default=300, help="decode steps per loop")
-    parser.add_argument("--step-ms", type=float, default=10.0, help="simulated GPU time per step")
-    parser.add_argument("--prompt", type=int, default=512, help="mean prompt length of the loop")
-    parser.add_argument("--model-shape", default=None,
+    parser.add_argument("--device", type=argtypes.device, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--pages", type=argtypes.positive_int, default=256, help="pages per latency measurement")
+    parser.add_argument("--batches", type=argtypes.int_list, default=(1, 64, 256), help="decode batch sizes")
+    parser.add_argument("--steps", type=argtypes.positive_int, default=300, help="decode steps per loop")
+    parser.add_argument("--step-ms", type=argtypes.positive_float, default=10.0,
+                        help="simulated GPU time per step")
+    parser.add_argument("--prompt", type=argtypes.positive_int, default=512, help="mean prompt length of the loop")
+    parser.add_argument("--model-shape", type=model_shape, default=None,
                         help="layers,kv_heads,head_dim,group (default: Llama-3-8B G=4 on CUDA, tiny on CPU)")
     parser.add_argument("--benchmarks", default="BENCHMARKS.md", help="file to write the section to")
     parser.add_argument("--json", default=None, help="also write the raw numbers here")
+
+
+def model_shape(text: str) -> tuple[int, int, int, int]:
+    """``"layers,kv_heads,head_dim,group"`` -> four ints >= 1, ``group`` dividing ``layers``."""
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1 or shape[0] % shape[3]:
+        raise argparse.ArgumentTypeError(f"expected layers,kv_heads,head_dim,group: four ints >= 1 with "
+                                         f"group dividing layers (e.g. 32,8,128,4), got {text!r}")
+    return shape
 
 
 def _median_us(xs: list[float]) -> float:
@@ -78,7 +93,7 @@ def call_latency(device: str, num_pages: int) -> dict:
 
 def _shape(args) -> tuple[int, int, int, int]:
     if args.model_shape:
-        return tuple(int(x) for x in args.model_shape.split(","))
+        return tuple(args.model_shape)
     return (32, 8, 128, 4) if args.device.startswith("cuda") else (4, 2, 64, 2)
 
 
@@ -103,6 +118,8 @@ def decode_loop(args, batch: int, *, map_ahead: int) -> dict:
     page = 2 << 20
     sets = sum(-(-(p + args.steps + map_ahead + 1) * group * 2 * heads * dim * 2 // page) + 1 for p in prompts)
     budget = (sets + 1) * page * (layers // group)
+    check_fits(f"the decode loop of batch {batch}", budget, args.device,
+               hint="lower --batches, --prompt or --steps")
     cfg = KVCacheConfig(num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype=torch.bfloat16,
                         max_slots=batch, max_context=max_ctx, group_size=group, page_budget=budget,
                         device=args.device, map_ahead_tokens=map_ahead, scrub="never")
@@ -155,9 +172,11 @@ def _markdown(lat: dict, loops: list[dict], args) -> str:
 
 
 def run(args) -> int:
+    page = get_driver(args.device).granularity          # UnsupportedError if the backend is missing
+    check_fits(f"--pages {args.pages}", args.pages * page, args.device, hint="pass a smaller --pages")
     lat = call_latency(args.device, args.pages)
     loops = []
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in args.batches:
         for ahead in (0, 256):
             loops.append(decode_loop(args, batch, map_ahead=ahead))
             print(json.dumps(loops[-1]))

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from vattn.core.errors import ConfigError, VattnError
+from vattn import argtypes
+from vattn.core.errors import ConfigError
 
 from .engines import ENGINES, load_runner
 from .identity import compare, fill_divergence_logprobs
@@ -34,20 +35,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(llama3-8b-shape with --size gpu)")
     parser.add_argument("--workload", action="append", choices=WORKLOADS, default=None,
                         help="repeatable; default: identity, decode-heavy, prefill-heavy")
-    parser.add_argument("--num-requests", type=int, default=None,
+    parser.add_argument("--num-requests", type=argtypes.positive_int, default=None,
                         help="override the number of prompts of every workload")
-    parser.add_argument("--layers", type=int, default=None,
+    parser.add_argument("--layers", type=argtypes.positive_int, default=None,
                         help="override the preset's num_hidden_layers (e.g. 8 for a faster 8B-shaped run)")
     parser.add_argument("--weights", choices=("file", "instantiate"), default=None,
                         help="file: write model.safetensors; instantiate: draw the seeded weights on the "
                              "device at load (default for transformers on CUDA: no multi-GB file)")
     parser.add_argument("--size", choices=("cpu", "gpu"), default=None,
                         help="workload scale (default: gpu on CUDA with an 8B-shaped model, else cpu)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=1, help="throughput runs per mode (fastest kept)")
-    parser.add_argument("--max-gap", type=float, default=0.1, help="near-tie log-prob gap (nats)")
+    parser.add_argument("--device", type=argtypes.device, default=None,
+                        help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="float32 (CPU default) or bfloat16 (CUDA default)")
+    parser.add_argument("--seed", type=argtypes.non_negative_int, default=0)
+    parser.add_argument("--repeats", type=argtypes.positive_int, default=1,
+                        help="throughput runs per mode (fastest kept)")
+    parser.add_argument("--max-gap", type=argtypes.non_negative_float, default=0.1,
+                        help="near-tie log-prob gap (nats)")
     parser.add_argument("--require-exact", action="store_true",
                         help="fail on any divergence (default for the transformers engine)")
     parser.add_argument("--models-dir", default=None, help="where random models are built (default: temp)")
@@ -58,42 +63,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the conformance suite; 0 when identity passes (and the model is not degenerate)."""
+    """Run the conformance suite; 0 when identity passes (and the model is not degenerate).
+
+    Raises
+    ------
+    VattnError
+        A bad option, an engine that is not installed here, or a failed engine run (checked in
+        that order: the engine before the model is built).
+    """
     from tqdm import tqdm
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     preset = args.model or ("llama3-8b-shape" if args.size == "gpu" else "tiny")
     size = args.size or ("gpu" if preset == "llama3-8b-shape" and device.startswith("cuda") else "cpu")
     workloads = args.workload or ["identity", "decode-heavy", "prefill-heavy"]
-    try:
-        start = time.perf_counter()
-        model_dir = _model_dir(preset, args, dtype=dtype, device=device)
-        runner = load_runner(args.engine, **_engine_options(args.engine_option))
-        shape = model_shape(model_dir)
-        print(f"[conformance] model {preset} ({shape.num_layers} layers) at {model_dir}: "
-              f"{time.perf_counter() - start:.1f} s; workloads {workloads}", flush=True)
-        report = {"engine": args.engine, "model": preset, "num_layers": shape.num_layers, "device": device,
-                  "dtype": dtype, "size": size, "num_requests": args.num_requests,
-                  "modes": list(runner.modes), "versions": _versions(), "throughput": {}, "ok": True}
-        total = len(workloads) * len(runner.modes) * max(args.repeats, 1)
-        with tqdm(total=total, desc=f"conformance[{args.engine}]", unit="run") as bar:
-            for name in workloads:
-                bar.set_postfix_str(name)
-                wl = make_workload(name, size=size, vocab_size=shape.vocab_size, seed=args.seed,
-                                   max_context=shape.max_position, num=args.num_requests)
-                lens = [len(p) for p in wl.prompts]
-                bar.write(f"[conformance] {name}: {len(lens)} prompts of {min(lens)}-{max(lens)} tokens, "
-                          f"{wl.max_new_tokens} new tokens each")
-                if name == "identity":
-                    _identity(report, runner, wl, model_dir, args, device=device, dtype=dtype, bar=bar)
-                else:
-                    res = run_modes(runner, wl, model_dir, device=device, dtype=dtype,
-                                    repeats=args.repeats, progress=bar)
-                    report["throughput"][name] = summarize(res, runner.modes[0])
-        paths = write_report(report, args.out)
-    except VattnError as exc:
-        print(f"vattn conformance: {type(exc).__name__}: {exc}")
-        return 2
+    runner = load_runner(args.engine, **_engine_options(args.engine_option))
+    start = time.perf_counter()
+    model_dir = _model_dir(preset, args, dtype=dtype, device=device)
+    shape = model_shape(model_dir)
+    print(f"[conformance] model {preset} ({shape.num_layers} layers) at {model_dir}: "
+          f"{time.perf_counter() - start:.1f} s; workloads {workloads}", flush=True)
+    report = {"engine": args.engine, "model": preset, "num_layers": shape.num_layers, "device": device,
+              "dtype": dtype, "size": size, "num_requests": args.num_requests,
+              "modes": list(runner.modes), "versions": _versions(), "throughput": {}, "ok": True}
+    total = len(workloads) * len(runner.modes) * args.repeats
+    with tqdm(total=total, desc=f"conformance[{args.engine}]", unit="run") as bar:
+        for name in workloads:
+            bar.set_postfix_str(name)
+            wl = make_workload(name, size=size, vocab_size=shape.vocab_size, seed=args.seed,
+                               max_context=shape.max_position, num=args.num_requests)
+            lens = [len(p) for p in wl.prompts]
+            bar.write(f"[conformance] {name}: {len(lens)} prompts of {min(lens)}-{max(lens)} tokens, "
+                      f"{wl.max_new_tokens} new tokens each")
+            if name == "identity":
+                _identity(report, runner, wl, model_dir, args, device=device, dtype=dtype, bar=bar)
+            else:
+                res = run_modes(runner, wl, model_dir, device=device, dtype=dtype,
+                                repeats=args.repeats, progress=bar)
+                report["throughput"][name] = summarize(res, runner.modes[0])
+    paths = write_report(report, args.out)
     _print_summary(report, paths)
     return 0 if report["ok"] else 1
 

@@ -53,8 +53,26 @@ class VirtualKVCache:
     """
 
     def __init__(self, config: KVCacheConfig, *, driver=None):
+        if not isinstance(config, KVCacheConfig):
+            raise ConfigError(f"VirtualKVCache needs a KVCacheConfig, got {type(config).__name__}")
         self.config = cfg = config
+        self._owns_driver = driver is None      # a driver we created is closed with the cache
         self.driver = driver or get_driver(cfg.torch_device, granularity=cfg.page_bytes)
+        try:
+            page = self._plan(cfg)
+            self._pool = PagePool(self.driver, page_bytes=page, num_pages=self._budget_pages(page))
+        except BaseException:
+            self._close_driver()
+            raise
+        self._base = None
+        try:
+            self._setup()
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _plan(self, cfg: KVCacheConfig) -> int:
+        """Check the page size and the address space; set the layout; return the page bytes."""
         page = cfg.page_bytes or self.driver.granularity
         if page % self.driver.granularity:
             raise ConfigError(f"page_bytes must be a multiple of the driver granularity "
@@ -64,13 +82,7 @@ class VirtualKVCache:
         if self._va_bytes > _MAX_VA_BYTES:
             raise ConfigError(f"the cache needs {self._va_bytes / 2**40:.1f} TiB of virtual address "
                               f"space, more than {_MAX_VA_BYTES >> 40} TiB; lower max_slots or max_context")
-        self._pool = PagePool(self.driver, page_bytes=page, num_pages=self._budget_pages(page))
-        self._base = None
-        try:
-            self._setup()
-        except BaseException:
-            self._abandon()
-            raise
+        return page
 
     def _setup(self) -> None:
         cfg, lay = self.config, self.layout
@@ -111,6 +123,12 @@ class VirtualKVCache:
             self.driver.free_va(self._base, self._va_bytes)
             self._base = None
         self._pool.close()
+        self._close_driver()
+
+    def _close_driver(self) -> None:
+        """Close the driver if this cache created it (its fds and handles go with it)."""
+        if self._owns_driver and hasattr(self.driver, "close"):
+            self.driver.close()
 
     def _budget_pages(self, page: int) -> int:
         budget = self.config.page_budget
@@ -140,6 +158,7 @@ class VirtualKVCache:
         return self.v(layer).flatten(0, 1)
 
     def _view(self, layer: int, which: str) -> torch.Tensor:
+        self._check_open()
         key = (layer, which)
         if key not in self._views:
             place = self.layout.place(layer)
@@ -304,7 +323,8 @@ class VirtualKVCache:
             keys, values = list(lengths.keys()), list(lengths.values())
         else:
             keys, values = lengths, lengths_seq
-        slots, lens = _int_array(keys, "slots"), _int_array(values, "lengths")
+        slots = _int_array(keys, "slots")
+        lens = _int_array(values, "lengths", error=ContextLengthError)
         if slots.shape != lens.shape:
             raise SlotError(f"slots and lengths need equal sizes, got {slots.size} and {lens.size}")
         return slots, lens
@@ -432,6 +452,8 @@ class VirtualKVCache:
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a new request of ``num_tokens`` could be admitted now."""
+        self._check_open()
+        self._check_length(num_tokens)
         cap = self.capacity()
         return cap.idle_slots > 0 and cap.free_page_sets >= self.layout.pages_for(num_tokens)
 
@@ -485,7 +507,8 @@ class VirtualKVCache:
 
     # -- teardown and checks ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the worker, wait for every fence, unmap and release everything."""
+        """Stop the worker, wait for every fence, unmap and release everything: pages, the
+        address reservation, and the driver (with its file descriptors) if the cache created it."""
         if self._closed:
             return
         if self._worker is not None:
@@ -504,6 +527,7 @@ class VirtualKVCache:
                 self.driver.free_va(self._base, self._va_bytes)
                 self._base = None
             self._pool.close()
+            self._close_driver()
             self._closed = True
 
     def __enter__(self) -> "VirtualKVCache":
@@ -533,12 +557,12 @@ class VirtualKVCache:
             raise ContextLengthError(f"length {n} exceeds max_context={self.config.max_context}")
 
 
-def _int_array(xs, name: str) -> np.ndarray:
+def _int_array(xs, name: str, *, error: type[VattnError] = SlotError) -> np.ndarray:
     if isinstance(xs, torch.Tensor):
         if xs.device.type != "cpu" or xs.dtype.is_floating_point:
-            raise SlotError(f"{name} must be integers on the CPU, got {xs.dtype} on {xs.device}")
+            raise error(f"{name} must be integers on the CPU, got {xs.dtype} on {xs.device}")
         xs = xs.numpy()
     arr = np.asarray(xs)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise SlotError(f"{name} must be a 1-D sequence of ints, got {arr.dtype} with shape {arr.shape}")
+        raise error(f"{name} must be a 1-D sequence of ints, got {arr.dtype} with shape {arr.shape}")
     return arr.astype(np.int64, copy=False)

@@ -78,6 +78,8 @@ class KVCacheConfig:
             raise ConfigError(f"dtype must be one of {[str(d) for d in _DTYPES]}, got {self.dtype!r}")
         if self.num_layers % self.group_size:
             raise ConfigError(f"group_size must divide num_layers={self.num_layers}, got {self.group_size}")
+        if not isinstance(self.split_kv, bool):
+            raise ConfigError(f"split_kv must be a bool, got {self.split_kv!r}")
         if self.split_kv and self.group_size != 1:
             raise ConfigError(f"split_kv=True needs group_size=1, got group_size={self.group_size}")
         _check_budget(self.page_budget)

@@ -10,6 +10,7 @@ slot is the always-mapped padding slot. Slot ``s`` owns bytes ``[s*R, (s+1)*R)``
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -107,8 +108,11 @@ class KVLayout:
         return slot * self.region_bytes + page * self.page_bytes
 
     def place(self, layer: int) -> LayerPlace:
-        if not 0 <= layer < self.num_layers:
-            raise ConfigError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        """Where ``layer``'s K and V live; ``ConfigError`` unless ``layer`` is an int in range."""
+        index = _as_index(layer)
+        if index is None or not 0 <= index < self.num_layers:
+            raise ConfigError(f"layer must be in [0, {self.num_layers}) as an int, got {layer!r}")
+        layer = index
         hd = self.num_kv_heads * self.head_dim
         if self.split_kv:
             return LayerPlace(2 * layer, 2 * layer + 1, 0, 0)
@@ -146,7 +150,21 @@ class LayoutReport:
 
 def layout_report(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                   group_size: int, split_kv: bool = False, page_bytes: int = 2 << 20) -> LayoutReport:
-    """Tokens per page and worst-case waste per request for a model shape and layer group ``G``."""
+    """Tokens per page and worst-case waste per request for a model shape and layer group ``G``.
+
+    Raises
+    ------
+    ConfigError
+        A size that is not a positive int, a dtype that is not a ``torch.dtype``, or a
+        ``group_size`` that does not divide ``num_layers``.
+    """
+    sizes = dict(group_size=group_size, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, page_bytes=page_bytes)
+    for name, value in sizes.items():
+        if not _is_int(value) or value <= 0:
+            raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
     if num_layers % group_size:
         raise ConfigError(f"group_size must divide num_layers={num_layers}, got {group_size}")
     lay = KVLayout(num_layers, num_kv_heads, head_dim, _itemsize(dtype), 1, 1, group_size,
@@ -163,6 +181,21 @@ def cache_layout_row(config, page_bytes: int) -> dict:
                         head_dim=config.head_dim, dtype=config.dtype, group_size=config.group_size,
                         split_kv=config.split_kv, page_bytes=page_bytes)
     return rep.as_row() | {"worst_waste_bytes": rep.worst_waste_bytes}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_index(value) -> int | None:
+    """``value`` as a Python int if it is an integer (``int``, numpy or 0-d integer tensor) other
+    than a bool, else ``None``."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _itemsize(dtype: torch.dtype) -> int:

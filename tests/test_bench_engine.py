@@ -5,6 +5,7 @@ import json
 import pytest
 
 from vattn.bench import engine
+from vattn.conformance.models import PRESETS, kv_bytes_per_token, weight_bytes
 from vattn.core.errors import ConfigError
 
 
@@ -49,17 +50,23 @@ def test_markdown_rows_ratios_and_failures(tmp_path):
 
 def test_decode_bandwidth_counts_weights_and_kv():
     report = _throughput("decode-heavy", [2, 10, 3, 2], {"stock": 1.0, "vattn": 2.0})
-    kv = 2 * (10 + 11 + 12) * engine._KV_BYTES_PER_TOKEN_8B
-    assert engine.decode_bandwidth(report, "vattn") == pytest.approx((3 * engine._WEIGHT_BYTES_8B + kv) / 2)
+    kv = 2 * (10 + 11 + 12) * kv_bytes_per_token(PRESETS["llama3-8b-shape"])
+    weights = weight_bytes(PRESETS["llama3-8b-shape"])
+    assert engine.decode_bandwidth(report, "vattn") == pytest.approx((3 * weights + kv) / 2)
     assert engine.decode_bandwidth(report, "ceiling") is None
+    report["model_preset"] = "llama-1b-shape"                 # the 1B shape moves fewer bytes
+    kv = 2 * (10 + 11 + 12) * kv_bytes_per_token(PRESETS["llama-1b-shape"])
+    weights = weight_bytes(PRESETS["llama-1b-shape"])
+    assert engine.decode_bandwidth(report, "vattn") == pytest.approx((3 * weights + kv) / 2)
 
 
 def test_decode_bandwidth_from_sglang_workload_dict():
     """SGLang's runner writes ``workload`` as a dict of the shape and ``modes`` for the rows."""
     report = {"stage": "decode-heavy", "workload": {"num": 2, "prompt_len": 10, "new_tokens": 3},
               "modes": {"vattn": {"seconds": 2.0}}}
-    kv = 2 * (10 + 11 + 12) * engine._KV_BYTES_PER_TOKEN_8B
-    assert engine.decode_bandwidth(report, "vattn") == pytest.approx((3 * engine._WEIGHT_BYTES_8B + kv) / 2)
+    kv = 2 * (10 + 11 + 12) * kv_bytes_per_token(PRESETS["llama3-8b-shape"])
+    weights = weight_bytes(PRESETS["llama3-8b-shape"])
+    assert engine.decode_bandwidth(report, "vattn") == pytest.approx((3 * weights + kv) / 2)
     report["workload"]["num"] = None
     assert engine.decode_bandwidth(report, "vattn") is None
 

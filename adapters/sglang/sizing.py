@@ -21,6 +21,7 @@ checked against the real ``ReqToTokenPool`` when the attention backend is create
 
 from __future__ import annotations
 
+import numbers
 import os
 
 import torch
@@ -98,8 +99,14 @@ def cache_config(*, num_tokens: int, dtype: torch.dtype, head_num: int, head_dim
         Core options; default from ``VATTN_SGLANG_GROUP_SIZE`` / ``VATTN_SGLANG_MAP_AHEAD``,
         else the core's defaults (map-ahead off on the CPU).
     """
-    if num_tokens < 1:
-        raise ConfigError(f"SGLang's KV token budget must be >= 1, got {num_tokens}")
+    for name, value in (("num_tokens", num_tokens), ("max_context", max_context),
+                        ("max_requests", max_requests), ("group_size", group_size)):
+        if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)
+                                  or value < 1):
+            raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    if str(device).split(":")[0] not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    num_tokens, max_context = int(num_tokens), int(max_context)
     group_size = group_size or _env_int("VATTN_SGLANG_GROUP_SIZE")
     if map_ahead_tokens is None:
         map_ahead_tokens = _env_int("VATTN_SGLANG_MAP_AHEAD")

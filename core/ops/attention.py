@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..errors import TensorError, UnsupportedError
@@ -30,9 +32,10 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     seqlens_k : torch.Tensor
         ``[B]`` int32 keys of each request *including* its new tokens (prefix + chunk).
     max_seqlen_q, max_seqlen_k : int
-        Host-side upper bounds of the q chunk and key lengths.
+        Host-side upper bounds of the q chunk and key lengths (``1 <= max_seqlen_q <= Nq``,
+        ``1 <= max_seqlen_k <= rows_per_slot``).
     scale : float, optional
-        Softmax scale, default ``D ** -0.5``.
+        Softmax scale (finite, > 0), default ``D ** -0.5``.
     causal : bool
         Causal mask aligned bottom-right: q row ``i`` of a chunk of ``n`` sees keys
         ``0 .. seqlens_k - n + i``.
@@ -45,6 +48,16 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     -------
     torch.Tensor
         ``[Nq, Hq, D]``, dtype of ``q``.
+
+    Raises
+    ------
+    TensorError
+        A tensor of the wrong type, shape, dtype, device or strides, or a host bound or scale out
+        of range. The ``"reference"`` backend (which reads values on the host anyway) also refuses
+        slots, key lengths and ``cu_seqlens_q`` values out of range; the graph-safe backends do not
+        read values.
+    UnsupportedError
+        ``backend`` cannot run here.
     """
     check_cache_pair(k_cache, v_cache)
     check_q(q, k_cache)
@@ -54,8 +67,9 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
     check_index("cu_seqlens_q", cu_seqlens_q, length=batch + 1, device=q.device)
     check_index("slots", slots, length=batch, device=q.device)
     check_index("seqlens_k", seqlens_k, length=batch, device=q.device)
+    _check_bound("max_seqlen_q", max_seqlen_q, q.shape[0], "Nq")
     _check_bound("max_seqlen_k", max_seqlen_k, k_cache.shape[1])
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = _scale(scale, q.shape[-1])
     name = resolve_backend("prefill", device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
                            backend=backend)
     args = dict(cu_seqlens_q=cu_seqlens_q, slots=slots, seqlens_k=seqlens_k,
@@ -99,6 +113,11 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, slo
     -------
     torch.Tensor
         ``[B, Hq, D]``, dtype of ``q``.
+
+    Raises
+    ------
+    TensorError, UnsupportedError
+        As in :func:`prefill`.
     """
     check_cache_pair(k_cache, v_cache)
     check_q(q, k_cache)
@@ -109,7 +128,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, slo
         check_index("cu_seqlens_q", cu_seqlens_q, length=batch + 1, device=q.device, dtypes=(torch.int32,))
     max_seqlen_k = k_cache.shape[1] if max_seqlen_k is None else max_seqlen_k
     _check_bound("max_seqlen_k", max_seqlen_k, k_cache.shape[1])
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = _scale(scale, q.shape[-1])
     name = resolve_backend("decode", device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
                            backend=backend)
     if name in ("reference", "triton"):
@@ -151,6 +170,17 @@ def _run_fa_family(name, q, k_cache, v_cache, **args) -> torch.Tensor:
     raise UnsupportedError(f"backend {name!r} has no varlen prefill path")
 
 
-def _check_bound(name: str, value, rows_per_slot: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= rows_per_slot:
-        raise TensorError(f"{name} must be a host int in [1, rows_per_slot={rows_per_slot}], got {value!r}")
+def _check_bound(name: str, value, upper: int, what: str = "rows_per_slot") -> None:
+    """``value`` must be a host int in ``[1, upper]`` (``[0, 0]`` when ``upper`` is 0: no rows)."""
+    lower = min(1, upper)
+    if not isinstance(value, int) or isinstance(value, bool) or not lower <= value <= upper:
+        raise TensorError(f"{name} must be a host int in [{lower}, {what}={upper}], got {value!r}")
+
+
+def _scale(scale, head_dim: int) -> float:
+    """The softmax scale: ``head_dim ** -0.5`` by default, else a finite float > 0."""
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not 0 < scale < float("inf"):
+        raise TensorError(f"scale must be a finite float > 0 or None, got {scale!r}")
+    return float(scale)

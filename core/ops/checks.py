@@ -85,6 +85,9 @@ def check_index(name: str, t: torch.Tensor, *, length: int, device: torch.device
 
 def flat_rows(cache: torch.Tensor) -> torch.Tensor:
     """``[slots, rows, H, D]`` layer view -> ``[slots * rows, H, D]`` rows view (no copy)."""
+    if not isinstance(cache, torch.Tensor):
+        raise TensorError(f"the cache must be a torch.Tensor (a layer view or its rows view), got "
+                          f"{type(cache).__name__}")
     if cache.dim() == 3:
         return cache
     check_cache("cache", cache)

@@ -107,6 +107,14 @@ def _auto_skips(backend: str, capability: tuple[int, int] | None) -> str | None:
     return None
 
 
+def _device(device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise UnsupportedError(f"device must be a torch.device or a string like 'cpu' or 'cuda:0', "
+                               f"got {device!r}") from exc
+
+
 def resolve_backend(op: str, *, device: torch.device | str, dtype: torch.dtype, head_dim: int,
                     backend: str = "auto", capability: tuple[int, int] | None = None,
                     installed: frozenset | None = None) -> str:
@@ -126,9 +134,10 @@ def resolve_backend(op: str, *, device: torch.device | str, dtype: torch.dtype, 
     Raises
     ------
     UnsupportedError
-        The explicit backend cannot run here, or nothing can (the message says why).
+        ``device`` names no device, the explicit backend cannot run here, or nothing can (the
+        message says why).
     """
-    device = torch.device(device)
+    device = _device(device)
     if capability is None and device.type == "cuda":
         capability = device_capability(device)
     args = dict(op=op, device_type=device.type, dtype=dtype, head_dim=head_dim,

@@ -8,6 +8,7 @@ Token ``t`` of slot ``s`` lives in row ``s * rows_per_slot + t`` of a layer's fl
 from __future__ import annotations
 
 import importlib.util
+import numbers
 
 import torch
 
@@ -31,7 +32,18 @@ def rows_for(slots: torch.Tensor, positions: torch.Tensor, rows_per_slot: int) -
     -------
     torch.Tensor
         ``[N]`` int64.
+
+    Raises
+    ------
+    TensorError
+        ``slots`` or ``positions`` is not an integer tensor, or ``rows_per_slot`` not an int >= 1.
     """
+    for name, t in (("slots", slots), ("positions", positions)):
+        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TensorError(f"{name} must be an integer torch.Tensor, got {got}")
+    if isinstance(rows_per_slot, bool) or not isinstance(rows_per_slot, numbers.Integral) or rows_per_slot < 1:
+        raise TensorError(f"rows_per_slot must be an int >= 1, got {rows_per_slot!r}")
     return slots.to(torch.int64) * int(rows_per_slot) + positions.to(torch.int64)
 
 
@@ -53,8 +65,16 @@ def store(k_cache_rows: torch.Tensor, v_cache_rows: torch.Tensor, k_new: torch.T
         ``[N, H, D]``, same dtype and device as the cache; any strides.
     rows : torch.Tensor
         ``[N]`` int64 row indices (:func:`rows_for`). Precondition (not checked, it would
-        synchronize): every row is mapped, i.e. below the slot's ensured length.
+        synchronize): every row is mapped, i.e. below the slot's ensured length. On the CPU the
+        rows are checked to lie inside the view (no synchronization there).
     backend : {"auto", "triton", "torch"}
+
+    Raises
+    ------
+    TensorError
+        A tensor of the wrong type, shape, dtype or device, or (CPU) a row outside the view.
+    UnsupportedError
+        An unknown backend, or ``"triton"`` without CUDA (or ``TRITON_INTERPRET=1``).
     """
     k_rows, v_rows = flat_rows(k_cache_rows), flat_rows(v_cache_rows)
     _check_store(k_rows, v_rows, k_new, v_new, rows)
@@ -88,6 +108,11 @@ def _check_store(k_rows, v_rows, k_new, v_new, rows) -> None:
     if k_rows.shape != v_rows.shape or k_rows.dtype != v_rows.dtype or k_rows.device != v_rows.device:
         raise TensorError("k_cache_rows and v_cache_rows must have equal shape, dtype and device")
     check_index("rows", rows, length=k_new.shape[0], device=k_rows.device, dtypes=(torch.int64,))
+    if rows.device.type == "cpu" and rows.numel():
+        low, high = int(rows.min()), int(rows.max())
+        if low < 0 or high >= k_rows.shape[0]:
+            raise TensorError(f"rows must be in [0, {k_rows.shape[0]}) (slots x rows_per_slot of the "
+                              f"view), got {low if low < 0 else high}")
 
 
 def _interpreting() -> bool:

@@ -21,14 +21,16 @@ def test_identity_run_writes_report(tmp_path):
     assert "divergence.png" in report["plots"]
 
 
-def test_bad_engine_option_is_rejected(tmp_path, capsys):
+def test_bad_engine_option_is_rejected(tmp_path):
     from vattn.conformance import cli
+    from vattn.core.errors import ConfigError
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args(["--workload", "identity", "--engine-option", "oops", "--out", str(tmp_path),
                               "--models-dir", str(tmp_path / "m")])
-    assert cli.run(args) == 2
-    assert "KEY=VALUE" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        cli.run(args)
+    assert not (tmp_path / "m").exists()    # refused before any model is built
 
 
 def test_stage_options_instantiate_layers_num_requests(tmp_path):

@@ -3,7 +3,7 @@
 import time
 from types import SimpleNamespace
 
-from vattn.conformance.stages import run_modes
+from vattn.conformance.stages import rounds_summary, run_modes, run_rounds
 
 
 class FakeRunner:
@@ -36,3 +36,37 @@ def test_deadline_caps_each_mode_and_skips_when_none_is_left(monkeypatch):
     runner = FakeRunner(("stock",))
     results, errors = run_modes(runner, "m", [[1]], 2, logprobs=0)
     assert not results and "skipped" in errors["stock"]
+
+
+class TimedRunner(FakeRunner):
+    """Each run of a mode takes the next of its listed seconds."""
+
+    def __init__(self, seconds: dict):
+        super().__init__(tuple(seconds))
+        self.left = {m: list(s) for m, s in seconds.items()}
+
+    def run(self, mode, model, prompts, new, *, logprobs, device, dtype):
+        self.seen.append((mode, self.timeout_s))
+        secs = self.left[mode].pop(0)
+        return SimpleNamespace(seconds=secs, num_generated_tokens=100,
+                               extra={"generation_s": [secs + 1, secs]})
+
+
+def test_rounds_alternate_modes_and_summarise_medians_and_per_round_ratios():
+    runner = TimedRunner({"stock": [10.0, 12.0, 11.0], "vattn": [5.0, 12.0, 22.0]})
+    results, errors = run_rounds(runner, "m", [[1]], 2, rounds=3)
+    assert not errors and [m for m, _ in runner.seen] == ["stock", "vattn"] * 3
+    rows = rounds_summary(results, "stock")
+    assert rows["stock"]["round_s"] == [10.0, 12.0, 11.0] and rows["stock"]["seconds"] == 11.0
+    assert rows["vattn"]["seconds"] == 12.0 and rows["vattn"]["ratio_vs_stock"] == 11.0 / 12.0
+    assert rows["vattn"]["round_ratios"] == [2.0, 1.0, 0.5]
+    assert (rows["vattn"]["min_s"], rows["vattn"]["max_s"]) == (5.0, 22.0)
+    assert rows["vattn"]["generation_s"][0] == [6.0, 5.0]
+
+
+def test_a_failing_round_is_recorded_per_mode_and_the_rest_still_summarised():
+    runner = TimedRunner({"stock": [10.0, 10.0], "vattn": [9.0]})   # vattn's second run fails
+    results, errors = run_rounds(runner, "m", [[1]], 2, rounds=2)
+    assert len(results["stock"]) == 2 and len(results["vattn"]) == 1
+    assert errors["vattn"][0].startswith("round 2: IndexError")
+    assert rounds_summary(results, "stock")["vattn"]["round_ratios"] == [10.0 / 9.0]

@@ -1,9 +1,12 @@
+import os
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 from tests.conftest import devices
-from tests.core._util import make_cache
+from tests.core._util import SMALL_PAGE, make_cache
 from vattn.core import ConfigError, ContextLengthError, SlotError
 
 
@@ -151,8 +154,8 @@ def test_slot_errors():
             cache.acquire(expected_len=10_000)
         with pytest.raises(SlotError, match="listed twice"):
             cache.ensure(np.array([s, s]), np.array([1, 2]))
-        with pytest.raises(SlotError, match="1-D sequence of ints"):
-            cache.ensure([s], [1.5])
+        with pytest.raises(ContextLengthError, match="lengths must be a 1-D sequence of ints"):
+            cache.ensure([s], [1.5])                        # a bad length is a length error
         with pytest.raises(SlotError, match="equal sizes"):
             cache.ensure([s], [1, 2])
         for _ in range(5):
@@ -281,3 +284,33 @@ def test_tenant_preference_and_scrub_when_tenants_start_to_differ():
         assert cache.acquire(expected_len=100) == other          # None's slot for None
         assert bool((cache.k(0)[other, :100] == 4).all())
         cache.audit()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_close_releases_fds_and_the_worker_thread():
+    """20 caches created, used with map-ahead and closed leave no fd and no thread behind;
+    a cache whose config is refused after its driver opened leaves none either."""
+    fds, threads = _open_fds(), threading.active_count()
+    for _ in range(20):
+        cache = make_cache(map_ahead_tokens=64)
+        s = cache.acquire()
+        cache.step({s: 10})
+        cache.wait()
+        cache.close()
+    with pytest.raises(ConfigError):
+        make_cache(page_budget=SMALL_PAGE)                    # too small: refused after the driver opened
+    with pytest.raises(ConfigError):
+        make_cache(max_slots=10**6, max_context=10**7)        # too much address space
+    assert _open_fds() == fds and threading.active_count() == threads
+
+
+def test_a_driver_passed_in_stays_open():
+    from vattn.core.driver.host import HostDriver
+    drv = HostDriver(granularity=SMALL_PAGE)
+    make_cache(driver=drv).close()
+    with make_cache(driver=drv) as cache:                     # the same driver serves a second cache
+        assert cache.ensure({cache.acquire(): 10}) == []
+    drv.close()
