@@ -85,3 +85,57 @@ def test_token_allocator_path_and_page_size_one_refused():
         VattnTokenAllocator.for_pool(VattnMHATokenToKVPool.from_cache(make_cache(
             num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_requests=2,
             max_context=96, device="cpu", page_budget=8 << 20), page_size=1))
+
+
+def _vattn_calls(fn) -> int:
+    """Python calls inside vattn while ``fn()`` runs (deterministic: not wall time)."""
+    import sys
+    calls = 0
+
+    def prof(frame, event, arg):
+        nonlocal calls
+        if event == "call" and "/vattn/" in frame.f_code.co_filename.replace("\\", "/") \
+                or event == "call" and frame.f_globals.get("__name__", "").startswith("vattn."):
+            calls += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.parametrize("batch", [8])
+def test_decode_step_host_work_does_not_grow_with_the_slot_count(batch):
+    """SGLang's defaults give thousands of slots; a decode step's work must not scale with them."""
+    per_step = {}
+    from vattn.core import KVCacheConfig, VirtualKVCache
+    for reqs in (64, 1024):
+        page = 4096       # 8 tokens per page; 2 page-sets per slot pre-warmed, none free: growth
+        #                   past 16 tokens takes idle slots' pages
+        cache = VirtualKVCache(KVCacheConfig(
+            num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_slots=reqs + 1,
+            max_context=96, page_bytes=page, page_budget=(2 * (reqs + 1) + 4) * 2 * page,
+            device="cpu", map_ahead_tokens=16))
+        alloc = VattnTokenAllocator.for_pool(VattnMHATokenToKVPool.from_cache(cache, page_size=PAGE))
+        r2t = ReqToTokenPool(size=reqs, max_context_len=96, device="cpu", enable_memory_saver=False)
+        tree = ChunkCache(SimpleNamespace(req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc,
+                                          page_size=PAGE))
+        c = cache.layout.rows_per_slot
+        locs = [extend(tree, [0], [40], [-1]) for _ in range(batch)]
+        cache.wait()                    # the pages mapped ahead have landed (deterministic counts)
+        last = [int(loc[-1]) for loc in locs]
+        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        worst = 0
+        for n in range(41, 90):
+            seq = [n] * batch
+            calls = _vattn_calls(lambda: alloc_paged_token_slots_decode(tree, t(seq), t(seq), t(last)))
+            cache.wait()
+            worst = max(worst, calls)
+            last = [(x // c) * c + n - 1 for x in last]
+        per_step[reqs] = worst
+        assert cache.metrics()["pages_reclaimed"] > 0       # the pool was dry: idle slots gave pages
+        cache.audit()
+        cache.close()
+    assert 0 < per_step[1024] <= per_step[64] * 1.1 + 5, per_step
