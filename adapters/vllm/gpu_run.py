@@ -15,7 +15,9 @@
   :func:`vattn.conformance.identity.compare`, and ``vattn`` against ``ceiling`` (both run FA3's
   TMA prefill path, stock and ``vattn-exact`` its non-TMA one: see
   :data:`.gpu_layout.EXACT_ENV`);
-* ``throughput``: Llama-3-8B shape, ``load_format="dummy"``, modes ``stock vattn ceiling`` (or
+* ``throughput``: the ``VATTN_SHAPE`` preset (default the Llama-3-8B shape with 131,072
+  positions; ``llama-1b-shape``), ``load_format="dummy"``, the engine's own sizing unless
+  ``VATTN_SIZING=tuned`` (the ceiling mode needs ``tuned``), modes ``stock vattn ceiling`` (or
   ``VATTN_MODES``; the ceiling last: it is the column to lose if time runs out) on one of
   :data:`WORKLOADS`; each engine runs the batch ``VATTN_REPEATS`` times (default 2) and reports
   the median (of 2: the faster), every run's time kept in ``seconds_each``; with re-runs
@@ -143,11 +145,12 @@ def stage_identity(args) -> dict:
 
 def _workload(args):
     """``(num, prompt_len, new, max_num_seqs, model_dir, prompts)`` of ``args.workload`` on the
-    Llama-3-8B shape (a config-only model: ``load_format="dummy"``)."""
+    ``VATTN_SHAPE`` preset (a config-only model: ``load_format="dummy"``)."""
     from vattn.conformance.models import random_prompts
     num, plen, new, seqs = WORKLOADS[args.workload]
-    model = _config_only_model(os.path.join(args.models, "llama3-8b-dummy"))
-    prompts = random_prompts(num, plen, vocab_size=LLAMA3_8B["vocab_size"], seed=7)
+    name, fields = _shape()
+    model = _config_only_model(os.path.join(args.models, name.replace("-shape", "-dummy")), fields)
+    prompts = random_prompts(num, plen, vocab_size=fields["vocab_size"], seed=7)
     return num, plen, new, seqs, model, prompts
 
 
@@ -178,7 +181,7 @@ def stage_throughput(args) -> dict:
                      load_format="dummy", **_sizing(),
                      repeats=int(os.environ.get("VATTN_REPEATS", "2")))
     results, errors = _run_all(runner, model, prompts, new, logprobs=0)
-    report = {"workload": args.workload, "shape": [num, plen, new, seqs], "errors": errors,
+    report = {"workload": args.workload, "model_preset": _shape()[0], "shape": [num, plen, new, seqs], "errors": errors,
               "ok": not errors, "rows": summarize(results, "stock") if "stock" in results else {}}
     for mode, res in results.items():
         row = report["rows"].setdefault(mode, {"seconds": res.seconds})
@@ -202,7 +205,7 @@ def stage_paired(args) -> dict:
                         log_dir=os.path.join(args.out, "logs"),
                         engine_args=dict(load_format="dummy", **_sizing(),
                                          gpu_memory_utilization=float(os.environ.get("VATTN_PAIR_MEM", 0.44))))
-    report = {"workload": args.workload, "shape": [num, plen, new, seqs], "errors": {}, "ok": False,
+    report = {"workload": args.workload, "model_preset": _shape()[0], "shape": [num, plen, new, seqs], "errors": {}, "ok": False,
               "rows": {}, "sizing": os.environ.get("VATTN_SIZING", "defaults")}
     out = run_paired(runner, modes, model, prompts, new, rounds=int(os.environ.get("VATTN_ROUNDS", 4)),
                      device="cuda", dtype="bfloat16")
@@ -225,7 +228,7 @@ def stage_profile(args) -> dict:
     import shutil
     num, plen, new, seqs, model, prompts = _workload(args)
     modes = _modes("VATTN_MODES", "stock vattn ceiling")
-    report = {"workload": args.workload, "shape": [num, plen, new, seqs], "ok": True, "errors": {},
+    report = {"workload": args.workload, "model_preset": _shape()[0], "shape": [num, plen, new, seqs], "ok": True, "errors": {},
               "steps": int(os.environ.get("VATTN_PROFILE_STEPS", 32)),
               "delay": int(os.environ.get("VATTN_PROFILE_DELAY", 64)), "modes": {}}
     for mode in modes:   # one runner per mode: each its own profiler directory
@@ -261,11 +264,22 @@ def _free_cuda() -> None:
     torch.cuda.empty_cache()
 
 
-def _config_only_model(path: str) -> str:
-    """A ``config.json`` of the Llama-3-8B shape (``load_format="dummy"`` needs no weights)."""
+def _shape() -> tuple[str, dict]:
+    """``VATTN_SHAPE`` (default ``llama3-8b-shape``, with 131,072 positions; also
+    ``llama-1b-shape``): the preset name and its config fields."""
+    name = os.environ.get("VATTN_SHAPE", "llama3-8b-shape")
+    if name == "llama3-8b-shape":
+        return name, LLAMA3_8B
+    if name not in PRESETS:
+        raise SystemExit(f"VATTN_SHAPE must be one of {sorted(PRESETS)}, got {name!r}")
+    return name, PRESETS[name]
+
+
+def _config_only_model(path: str, fields: dict) -> str:
+    """A ``config.json`` of a Llama shape (``load_format="dummy"`` needs no weights)."""
     from transformers import LlamaConfig
     if not os.path.exists(os.path.join(path, "config.json")):
-        cfg = LlamaConfig(**LLAMA3_8B, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+        cfg = LlamaConfig(**fields, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
         cfg.architectures = ["LlamaForCausalLM"]
         cfg.dtype = "bfloat16"
         cfg.save_pretrained(path)

@@ -194,7 +194,7 @@ def test_throughput_report_has_the_three_columns(monkeypatch, tmp_path):
                              {"init_s": 50.0, "vattn_metrics": metrics if m == "vattn" else None})
                 for m, s in (("stock", 27.5), ("ceiling", 27.0), ("vattn", 27.2))}, {}
     monkeypatch.setattr(gpu_run, "_run_all", fake_run_all)
-    monkeypatch.setattr(gpu_run, "_config_only_model", lambda path: str(tmp_path))
+    monkeypatch.setattr(gpu_run, "_config_only_model", lambda path, fields: str(tmp_path))
     monkeypatch.setattr("vattn.conformance.models.random_prompts", lambda n, l, **kw: [[1] * 4] * n)
     report = gpu_run.stage_throughput(NS(workload="long-context", models=str(tmp_path), out=str(tmp_path)))
     rows = report["rows"]
@@ -369,7 +369,7 @@ def test_paired_stage_reports_per_round_ratios_and_renders(monkeypatch, tmp_path
                 "vattn": {"seconds_each": [10.9, 11.1, 11.0, 11.0], "init_s": 52.0,
                           "vattn_metrics": {"layout": {"worst_waste_bytes": 16 << 20}}}}
     monkeypatch.setattr(paired, "run_paired", fake_run_paired)
-    monkeypatch.setattr(gpu_run, "_config_only_model", lambda path: str(tmp_path))
+    monkeypatch.setattr(gpu_run, "_config_only_model", lambda path, fields: str(tmp_path))
     monkeypatch.setattr("vattn.conformance.models.random_prompts", lambda n, l, **kw: [[1] * 4] * n)
     monkeypatch.delenv("VATTN_PAIR", raising=False)
     monkeypatch.setenv("VATTN_ROUNDS", "4")
