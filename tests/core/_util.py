@@ -17,3 +17,22 @@ def small_config(device="cpu", **over) -> KVCacheConfig:
 
 def make_cache(device="cpu", driver=None, **over) -> VirtualKVCache:
     return VirtualKVCache(small_config(device, **over), driver=driver)
+
+
+def count_calls(fn, *, prefix: str = "vattn.") -> int:
+    """Python function calls into modules named ``prefix...`` while ``fn()`` runs on this thread
+    (deterministic, unlike wall time: what a step costs the engine's thread in vattn's code)."""
+    import sys
+    calls = 0
+
+    def prof(frame, event, arg):
+        nonlocal calls
+        if event == "call" and frame.f_globals.get("__name__", "").startswith(prefix):
+            calls += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls

@@ -8,31 +8,9 @@ wall time) for one decode step with few and with many slots, and the driver call
 generation.
 """
 
-import sys
-
 import pytest
 
-from tests.core._util import SMALL_PAGE, make_cache
-
-_CORE = sys.modules["vattn.core.cache"].__file__.rsplit("/", 1)[0]
-
-
-def _count_calls(fn) -> int:
-    """Python function calls inside ``vattn.core`` while ``fn()`` runs on this thread."""
-    calls = 0
-
-    def prof(frame, event, arg):
-        nonlocal calls
-        if event == "call" and frame.f_code.co_filename.startswith(_CORE):
-            calls += 1
-
-    sys.setprofile(prof)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return calls
-
+from tests.core._util import SMALL_PAGE, count_calls, make_cache
 
 def _decode_run(slots: int, *, batch: int = 16, prompt: int = 100, steps: int = 300):
     """Pre-warm, admit ``batch`` requests, decode ``steps`` tokens (one ``step`` per token, the
@@ -53,7 +31,7 @@ def _decode_run(slots: int, *, batch: int = 16, prompt: int = 100, steps: int = 
             reqs = [cache.acquire(expected_len=prompt) for _ in range(batch)]
             assert cache.ensure(reqs, [prompt] * batch) == []
             for n in range(prompt + 1, prompt + steps + 1):
-                calls = _count_calls(lambda n=n: cache.step(reqs, [n] * batch))
+                calls = count_calls(lambda n=n: cache.step(reqs, [n] * batch), prefix="vattn.core.")
                 cache.wait()
                 worst = max(worst, calls) if gen == 0 else worst
             for s in reqs:

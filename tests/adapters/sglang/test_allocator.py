@@ -14,6 +14,7 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 
 from vattn.adapters.sglang.allocator import VattnTokenAllocator  # noqa: E402
 from vattn.adapters.sglang.pool import VattnMHATokenToKVPool, make_cache  # noqa: E402
+from tests.core._util import count_calls  # noqa: E402
 from vattn.core.errors import ConfigError, SlotError, UnsupportedError  # noqa: E402
 
 PAGE = 16
@@ -87,25 +88,6 @@ def test_token_allocator_path_and_page_size_one_refused():
             max_context=96, device="cpu", page_budget=8 << 20), page_size=1))
 
 
-def _vattn_calls(fn) -> int:
-    """Python calls inside vattn while ``fn()`` runs (deterministic: not wall time)."""
-    import sys
-    calls = 0
-
-    def prof(frame, event, arg):
-        nonlocal calls
-        if event == "call" and "/vattn/" in frame.f_code.co_filename.replace("\\", "/") \
-                or event == "call" and frame.f_globals.get("__name__", "").startswith("vattn."):
-            calls += 1
-
-    sys.setprofile(prof)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 @pytest.mark.parametrize("batch", [8])
 def test_decode_step_host_work_does_not_grow_with_the_slot_count(batch):
     """SGLang's defaults give thousands of slots; a decode step's work must not scale with them."""
@@ -130,7 +112,7 @@ def test_decode_step_host_work_does_not_grow_with_the_slot_count(batch):
         worst = 0
         for n in range(41, 90):
             seq = [n] * batch
-            calls = _vattn_calls(lambda: alloc_paged_token_slots_decode(tree, t(seq), t(seq), t(last)))
+            calls = count_calls(lambda: alloc_paged_token_slots_decode(tree, t(seq), t(seq), t(last)))
             cache.wait()
             worst = max(worst, calls)
             last = [(x // c) * c + n - 1 for x in last]
