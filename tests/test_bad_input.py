@@ -4,9 +4,6 @@
 and a fragment of its message), and :func:`test_doc_lists_every_case` checks that the document
 holds exactly the table :func:`render_table` makes from ``CASES``. After changing a row, write
 the table again with ``python tests/test_bad_input.py``.
-
-A row with ``open_bug`` describes what the entry should raise but does not yet (it is
-``xfail(strict=True)``: it fails loudly once the entry is fixed, so the mark can go).
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ class Case:
     error: type
     fragment: str
     call: Callable[[], object]
-    open_bug: str | None = None     # where the entry fails to refuse it (an xfail row)
     needs: str | None = None        # a module the entry imports (the row is skipped without it)
 
 
@@ -544,14 +540,7 @@ CASES = [
 ]
 
 
-def _params() -> list:
-    """One param per row, named by its id; open rows are strict xfails."""
-    return [pytest.param(case, id=case.id,
-                         marks=[pytest.mark.xfail(strict=True, reason=case.open_bug)] if case.open_bug else [])
-            for case in CASES]
-
-
-@pytest.mark.parametrize("case", _params())
+@pytest.mark.parametrize("case", [pytest.param(case, id=case.id) for case in CASES])
 def test_bad_input_raises_its_typed_error(case: Case):
     if case.needs:
         pytest.importorskip(case.needs)
@@ -570,11 +559,10 @@ def render_table() -> str:
     """The markdown table of ``CASES`` (what ``docs/bad-input.md`` holds between its markers)."""
     code = lambda text: f"`{text}`".replace("|", "\\|")
     prose = lambda text: str(text).replace("|", "\\|").replace("*", "\\*")
-    lines = ["| id | entry | input | raises | message contains | status |", "|---|---|---|---|---|---|"]
+    lines = ["| id | entry | input | raises | message contains |", "|---|---|---|---|---|"]
     for case in CASES:
-        status = f"open: {case.open_bug}" if case.open_bug else "refused"
         lines.append(f"| {code(case.id)} | {code(case.entry)} | {prose(case.given)} | "
-                     f"{code(case.error.__name__)} | {code(case.fragment)} | {prose(status)} |")
+                     f"{code(case.error.__name__)} | {code(case.fragment)} |")
     return "\n".join(lines)
 
 
