@@ -488,22 +488,33 @@ class VirtualKVCache:
         return prometheus_collector(self, prefix=prefix)
 
     def audit(self) -> None:
-        """Check the page accounting; raise :class:`VattnError` on any inconsistency."""
+        """Check the page accounting; raise :class:`VattnError` on any inconsistency.
+
+        No page is mapped twice or mapped while free, every slot's page count matches its page
+        lists, and mapped + free pages make up the pool. O(mapped pages) with set and list
+        operations; a page-by-page pass runs only to name the culprit of a failure.
+        """
         with self._cond:
-            seen: dict[int, tuple] = {}
-            for slot, ranges in enumerate(self._pages.mapped):
-                for rng, pids in enumerate(ranges):
-                    for i, pid in enumerate(pids):
-                        if pid in seen or self._pool.is_free(pid):
-                            raise VattnError(f"page {pid} at slot {slot} range {rng} index {i} is "
-                                             f"{'free' if pid not in seen else f'also at {seen[pid]}'}")
-                        seen[pid] = (slot, rng, i)
-                if self._pages.held_n[slot] != sum(map(len, ranges)):
-                    raise VattnError(f"slot {slot} is counted as holding {self._pages.held_n[slot]} "
-                                     f"pages but holds {sum(map(len, ranges))}")
-            if len(seen) + self._pool.num_free != self._pool.num_pages:
-                raise VattnError(f"{len(seen)} mapped + {self._pool.num_free} free pages != "
-                                 f"{self._pool.num_pages} in the pool")
+            pages, pool = self._pages, self._pool
+            mapped = [pid for ranges in pages.mapped for pids in ranges for pid in pids]
+            unique = set(mapped)
+            if len(unique) < len(mapped) or any(map(pool.is_free, unique)):
+                seen: dict[int, tuple] = {}
+                for slot, ranges in enumerate(pages.mapped):
+                    for rng, pids in enumerate(ranges):
+                        for i, pid in enumerate(pids):
+                            if pid in seen or pool.is_free(pid):
+                                raise VattnError(f"page {pid} at slot {slot} range {rng} index {i} is "
+                                                 f"{'free' if pid not in seen else f'also at {seen[pid]}'}")
+                            seen[pid] = (slot, rng, i)
+            held = [sum(map(len, ranges)) for ranges in pages.mapped]
+            if held != pages.held_n.tolist():
+                slot = next(s for s, (n, m) in enumerate(zip(pages.held_n.tolist(), held)) if n != m)
+                raise VattnError(f"slot {slot} is counted as holding {pages.held_n[slot]} "
+                                 f"pages but holds {held[slot]}")
+            if len(unique) + pool.num_free != pool.num_pages:
+                raise VattnError(f"{len(unique)} mapped + {pool.num_free} free pages != "
+                                 f"{pool.num_pages} in the pool")
 
     # -- teardown and checks ---------------------------------------------------------------------------
     def close(self) -> None:
