@@ -1,4 +1,4 @@
-"""The ``vattn`` command: ``info``, ``bench {vmm,attention,layout,host,engine}``, ``conformance``.
+"""The ``vattn`` command: ``info``, ``bench {vmm,attention,layout,host,engine,serve}``, ``conformance``.
 
 A bad input ends the command with one line on stderr (what was expected, what was given, what
 to do) and exit status 2: a flag argparse refuses (:class:`UsageError`), a typed error of
@@ -30,6 +30,7 @@ _BENCHES = {
     "layout": ("vattn.bench.layout", "layer-group sweep: waste vs speed, recommends G"),
     "host": ("vattn.bench.host", "host time vattn's vLLM runtime adds per decode-heavy generation"),
     "engine": ("vattn.bench.engine", "end-to-end engine runs (stock / ceiling / vattn) into BENCHMARKS.md"),
+    "serve": ("vattn.bench.serve", "the engine's own server + benchmark client, stock vs vattn, alternated"),
 }
 
 

@@ -18,6 +18,7 @@ import torch
 from .config import KVCacheConfig
 from .driver import get_driver
 from .errors import ConfigError, ContextLengthError, DriverError, SlotError, VattnError
+from .keys import BlockKeys
 from .layout import KVLayout, cache_layout_row
 from .mapahead import MapAhead
 from .metrics import Counters, prometheus_collector
@@ -94,6 +95,7 @@ class VirtualKVCache:
         bases = [self._base + r * lay.range_bytes for r in range(lay.num_ranges)]
         self._counters = Counters()
         self._pages = SlotPages(cfg, lay, self.driver, self._pool, bases, self._counters)
+        self._keys = BlockKeys(self._pool, self._pages.bound)
         self._elems = self.driver.view(self._base, self._va_bytes).view(cfg.dtype)
         self._views: dict[tuple[int, str], torch.Tensor] = {}
         n = lay.num_va_slots
@@ -101,6 +103,7 @@ class VirtualKVCache:
         self._tenant: list = [None] * n
         self._one_tenant = True     # every slot has only ever had the tenant None (the common case)
         self._length = np.zeros(n, dtype=np.int64)
+        self._bound_sets = np.zeros(n, dtype=np.int64)   # page-sets bind() gave the current request
         self._fence: list = [None] * n
         self._released_at = np.zeros(n, dtype=np.int64)
         self._clock = 0
@@ -168,8 +171,12 @@ class VirtualKVCache:
         return self._views[key]
 
     # -- slot lifecycle --------------------------------------------------------------------------
-    def acquire(self, *, tenant=None, expected_len: int = 0) -> int:
+    def acquire(self, *, tenant=None, expected_len: int = 0, prefer=None) -> int:
         """Hand out an idle slot, preferring the warm one whose pages best fit ``expected_len``.
+
+        ``prefer``: the block key of the request's first page-set when it is a prefix-cache hit
+        (:meth:`bind`); the idle slot where that page-set is mapped first is handed out, so the
+        hit needs no mapping at all.
 
         Raises
         ------
@@ -188,12 +195,15 @@ class VirtualKVCache:
             if self._inflight:
                 ready = idle[~np.isin(idle, list(self._inflight))]
                 idle = ready if ready.size else idle
-            slot = self._best_fit(idle, need, tenant)
+            slot = self._home_slot(prefer)
+            if slot is None:
+                slot = self._best_fit(idle, need, tenant)
             while slot in self._inflight:
                 self._cond.wait()
             previous = self._tenant[slot]
             self._one_tenant &= tenant is None
             self._active[slot], self._tenant[slot], self._length[slot] = True, tenant, 0
+            self._bound_sets[slot] = 0
             if self._pages.usable(slot):
                 self._counters.warm_hits += 1
                 # a slot's pages all carry its last tenant (tagged when mapped or retagged); the
@@ -201,6 +211,16 @@ class VirtualKVCache:
                 if self.config.scrub == "always" or previous is not tenant:
                     self._pages.retag(slot, tenant)
             return slot
+
+    def _home_slot(self, key) -> int | None:
+        """The idle slot whose first page-set is the one ``key`` names, if there is one."""
+        home = self._keys.home.get(key) if key is not None else None
+        if home is None or home[1] != 0:
+            return None
+        slot = home[0]
+        if slot >= self.config.max_slots or self._active[slot] or slot in self._inflight:
+            return None
+        return slot if self._pages.at(slot, 0) == self._keys.get(key) else None
 
     def _best_fit(self, idle: np.ndarray, need: int, tenant) -> int:
         """The idle slot to hand out: one holding at least ``need`` page-sets first, the warmest
@@ -349,6 +369,117 @@ class VirtualKVCache:
             while self._worker is not None and not self._worker.idle():
                 self._cond.wait()
 
+    # -- prefix sharing: page-sets named by the engine's block keys --------------------------------
+    def bind(self, slot: int, start: int, keys, *, hits: int = 0) -> bool:
+        """Name page-sets ``start .. start + len(keys) - 1`` of ``slot`` by the engine's block
+        keys (e.g. vLLM block ids), mapping them first; returns False if the pool ran short (the
+        page-sets bound so far stay bound).
+
+        The first ``hits`` keys are prefix-cache hits: the page-set the key names already holds
+        the block's KV, and it is mapped here as it is (one physical page-set at several virtual
+        addresses; never copied, never scrubbed). The other keys are fresh blocks: the page-set
+        at that index (the slot's own, or one from the pool) is bound to the key, and the key's
+        previous page-set, if any, is dropped (the engine handed the block out again, so its old
+        content is dead). A page-set stays allocated while its key or any mapping holds it.
+
+        An engine that binds must bind every page-set its requests write (a hit is honoured only
+        for a key that was bound), and must not hand out as fresh a block another running
+        request still reads.
+
+        Raises
+        ------
+        SlotError
+            ``slot`` is not acquired, a key is listed twice, or a hit names a key no page-set holds.
+        ContextLengthError
+            The page-sets go beyond the slot's region.
+        DriverError
+            A VMM call failed; the record stays exact and the call can be retried.
+        """
+        self._check_active(slot)
+        keys = list(keys)
+        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+            raise SlotError(f"start must be an int >= 0, got {start!r}")
+        if not isinstance(hits, int) or isinstance(hits, bool) or not 0 <= hits <= len(keys):
+            raise SlotError(f"hits must be an int in [0, {len(keys)}], got {hits!r}")
+        if start + len(keys) > self.layout.pages_per_slot:
+            raise ContextLengthError(f"page-sets {start}..{start + len(keys) - 1} exceed the slot's "
+                                     f"{self.layout.pages_per_slot}")
+        if len(set(keys)) != len(keys):
+            raise SlotError(f"a block key is listed twice in one bind() call: {keys}")
+        with self._cond:
+            while slot in self._inflight:             # the worker is appending to this slot
+                self._cond.wait()
+            for j, key in enumerate(keys):
+                index = start + j
+                if self._pages.usable(slot) < index and not self._grow(slot, index, {slot: index}, False)[0]:
+                    return False
+                ok = self._bind_hit(slot, index, key) if j < hits else self._bind_fresh(slot, index, key)
+                if not ok:
+                    return False
+                self._bound_sets[slot] = max(self._bound_sets[slot], index + 1)
+        return True
+
+    def forget(self, keys) -> int:
+        """The engine evicted these blocks: drop their keys (unknown keys are ignored). Their
+        page-sets stay where they are mapped, as plain warm pages. Returns the pages freed."""
+        with self._cond:
+            return sum(self._keys.drop(key) for key in keys if self._keys.get(key) is not None)
+
+    def _bind_hit(self, slot: int, index: int, key) -> bool:
+        pids = self._keys.get(key)
+        if pids is None:
+            raise SlotError(f"prefix hit on block key {key!r}, which no page-set holds (never bound "
+                            "by this cache, or dropped since)")
+        self._counters.prefix_hits += 1
+        cur = self._pages.at(slot, index)
+        if cur != pids:
+            if cur is not None:
+                self._wait_fence(slot)
+            self._pages.put(slot, index, pids)
+        return True
+
+    def _bind_fresh(self, slot: int, index: int, key) -> bool:
+        cur, old = self._pages.at(slot, index), self._keys.get(key)
+        if old is not None:
+            self._keys.drop(key)
+        if cur is None:                               # the next page-set: map it from the pool
+            if not self._grow(slot, index + 1, {slot: index + 1}, False)[0]:
+                return False
+            cur = self._pages.at(slot, index)
+        elif self._pages.bound[cur[0]]:               # another block's content: keep it, map new pages
+            pids = self._take_set(slot, index)
+            if pids is None:
+                return False
+            self._wait_fence(slot)
+            try:
+                self._pages.put(slot, index, pids)
+            finally:
+                self._pool.give(pids)                 # the mapping holds them now
+            cur = pids
+        for rng in range(len(cur)):                   # pages of another tenant are scrubbed first
+            self._pages.scrub_pages(slot, rng, (index,), self._tenant[slot])
+        self._keys.bind(key, cur, (slot, index))
+        self._counters.keys_bound += 1
+        return True
+
+    def _take_set(self, slot: int, index: int) -> list[int] | None:
+        """One free page per range, reclaiming (never from ``slot`` below ``index + 1``)."""
+        ranges = self.layout.num_ranges
+        while (short := ranges - self._pool.num_free) > 0:
+            if self._reclaim(short, {slot: index + 1}) >= short:
+                break
+            if not self._inflight:
+                return None
+            self._cond.wait()
+        return self._pool.take(ranges)
+
+    def _wait_fence(self, slot: int) -> None:
+        """Wait until the device is done with what ``slot``'s previous request read."""
+        fence = self._fence[slot]
+        if fence is not None and not fence.done():
+            self._counters.fence_waits += 1
+            fence.wait()
+
     def _grow(self, slot: int, num_sets: int, protect: dict[int, int], exhausted: bool) -> tuple[bool, bool]:
         """Grow one slot; ``exhausted`` says an earlier reclaim found nothing left to take.
 
@@ -379,23 +510,47 @@ class VirtualKVCache:
     def _reclaim(self, want: int, protect: dict[int, int], *, idle_only: bool = False,
                  block: bool = True) -> int:
         """Free at least ``want`` pages from :meth:`_victims`, taking from each victim only the
-        page-sets still needed; ``block=False`` skips victims whose fence has not completed."""
-        freed, ranges = 0, self.layout.num_ranges
+        page-sets still needed; ``block=False`` skips victims whose fence has not completed.
+
+        With block keys bound, a first pass unmaps only page-sets whose pages nothing else holds
+        (unmapping a bound page-set frees nothing); a second pass unmaps through bound ones to
+        reach free-able page-sets below them."""
+        freed = 0
         slots, keeps = self._victims(protect, idle_only=idle_only)
-        for wait in ((False, True) if block else (False,)):   # finished fences first, then wait
-            for slot, keep in zip(slots.tolist(), keeps.tolist()):
-                if freed >= want:
-                    return freed
-                fence = self._fence[slot]
-                if fence is not None and not fence.done():
-                    if not wait:
-                        continue
-                    self._counters.fence_waits += 1
-                    fence.wait()
-                held_sets = max(map(len, self._pages.mapped[slot]))
-                target = max(keep, held_sets - -(-(want - freed) // ranges))
-                freed += self._pages.trim(slot, target)
+        for only_free in ((True, False) if len(self._keys) else (False,)):
+            for wait in ((False, True) if block else (False,)):   # finished fences first, then wait
+                for slot, keep in zip(slots.tolist(), keeps.tolist()):
+                    if freed >= want:
+                        return freed
+                    fence = self._fence[slot]
+                    if fence is not None and not fence.done():
+                        if not wait:
+                            continue
+                        self._counters.fence_waits += 1
+                        fence.wait()
+                    if only_free:
+                        keep = max(keep, self._shared_top(slot))
+                    freed += self._trim_for(slot, keep, want - freed)
         return freed
+
+    def _trim_for(self, slot: int, keep: int, want: int) -> int:
+        """Unmap ``slot``'s page-sets from the top, not below ``keep``, until ``want`` pages are
+        freed; returns the pages freed."""
+        freed, ranges = 0, self.layout.num_ranges
+        held_sets = max(map(len, self._pages.mapped[slot]))
+        while freed < want and held_sets > keep:
+            held_sets = max(keep, held_sets - -(-(want - freed) // ranges))
+            freed += self._pages.trim(slot, held_sets)
+        return freed
+
+    def _shared_top(self, slot: int) -> int:
+        """1 + the highest page-set of ``slot`` that some key or other mapping also holds (0 if
+        none): unmapping above it frees every page."""
+        refs, ranges = self._pool.refs, self._pages.mapped[slot]
+        for index in range(max(map(len, ranges)) - 1, -1, -1):
+            if any(index < len(pages) and refs[pages[index]] != 1 for pages in ranges):
+                return index + 1
+        return 0
 
     def _victims(self, protect: dict[int, int], *, idle_only: bool = False
                  ) -> tuple[np.ndarray, np.ndarray]:
@@ -416,7 +571,7 @@ class VirtualKVCache:
         idle = idle[np.argsort(self._released_at[idle], kind="stable")]
         if idle_only:
             return idle, np.zeros(idle.size, dtype=np.int64)
-        keep = -(-self._length[:n] * lay.token_bytes // lay.page_bytes)
+        keep = np.maximum(-(-self._length[:n] * lay.token_bytes // lay.page_bytes), self._bound_sets[:n])
         if protect:
             ps = np.fromiter(protect.keys(), dtype=np.int64, count=len(protect))
             pk = np.fromiter(protect.values(), dtype=np.int64, count=len(protect))
@@ -427,9 +582,14 @@ class VirtualKVCache:
                 np.concatenate([np.zeros(idle.size, dtype=np.int64), keep[surplus]]))
 
     def _reclaimable(self) -> int:
-        """Pages :meth:`reclaim` could free now: what :meth:`_victims` lists, summed."""
+        """Pages :meth:`reclaim` could free now: what :meth:`_victims` lists, summed (with block
+        keys bound, only the pages nothing else holds)."""
         slots, keep = self._victims({})
-        return int((self._pages.held_n[slots] - keep * self.layout.num_ranges).sum())
+        if not len(self._keys):
+            return int((self._pages.held_n[slots] - keep * self.layout.num_ranges).sum())
+        refs = self._pool.refs
+        return sum(int((refs[pages[k:]] == 1).sum()) for s, k in zip(slots.tolist(), keep.tolist())
+                   for pages in self._pages.mapped[s] if len(pages) > k)
 
     # -- queries ------------------------------------------------------------------------------------
     def mapped_tokens(self, slot: int) -> int:
@@ -468,7 +628,8 @@ class VirtualKVCache:
             gauges = {"pages_total": self._pool.num_pages, "pages_free": self._pool.num_free,
                       "pages_mapped": self._pool.num_used, "active_slots": int(active.sum()),
                       "warm_bytes": warm, "waste_bytes": held_active - used,
-                      "mapped_bytes": self._pool.num_used * lay.page_bytes}
+                      "mapped_bytes": self._pool.num_used * lay.page_bytes,
+                      "keys_held": len(self._keys), "pages_bound": int(self._pages.bound.sum())}
             return gauges | self._counters.as_dict()
 
     def summary(self, *, prewarm_s: float | None = None) -> str:
@@ -490,31 +651,45 @@ class VirtualKVCache:
     def audit(self) -> None:
         """Check the page accounting; raise :class:`VattnError` on any inconsistency.
 
-        No page is mapped twice or mapped while free, every slot's page count matches its page
-        lists, and mapped + free pages make up the pool. O(mapped pages) with set and list
-        operations; a page-by-page pass runs only to name the culprit of a failure.
+        Every page's reference count equals its mappings plus its block key (if bound); a page
+        is free exactly when nothing references it; a page no key holds is mapped at most once;
+        every slot's page count matches its page lists; keys and bound flags agree. O(mapped
+        pages) with numpy; a page-by-page pass runs only to name the culprit of a failure.
+        Waits for the map-ahead worker first (its pages in flight are in no record yet).
         """
         with self._cond:
+            self.wait()
             pages, pool = self._pages, self._pool
-            mapped = [pid for ranges in pages.mapped for pids in ranges for pid in pids]
-            unique = set(mapped)
-            if len(unique) < len(mapped) or any(map(pool.is_free, unique)):
-                seen: dict[int, tuple] = {}
-                for slot, ranges in enumerate(pages.mapped):
-                    for rng, pids in enumerate(ranges):
-                        for i, pid in enumerate(pids):
-                            if pid in seen or pool.is_free(pid):
-                                raise VattnError(f"page {pid} at slot {slot} range {rng} index {i} is "
-                                                 f"{'free' if pid not in seen else f'also at {seen[pid]}'}")
-                            seen[pid] = (slot, rng, i)
+            mapped = np.fromiter((pid for ranges in pages.mapped for pids in ranges for pid in pids),
+                                 dtype=np.int64)
+            if mapped.size and mapped.min() < 0:
+                raise VattnError("a slot's page list has a hole (a remap failed and was not undone)")
+            count = np.bincount(mapped, minlength=pool.num_pages)
+            bound = np.zeros(pool.num_pages, dtype=bool)
+            for pids in self._keys.pids.values():
+                bound[list(pids)] = True
+            for what, bad in (("the bound flags disagree with the keys", bound != pages.bound),
+                              ("its references are not its mappings plus its key",
+                               pool.refs != count + bound),
+                              ("it is mapped twice but no key shares it", ~bound & (count > 1))):
+                if bad.any():
+                    pid = int(np.flatnonzero(bad)[0])
+                    raise VattnError(f"page {pid}: {what} (mapped {int(count[pid])}x, refs "
+                                     f"{int(pool.refs[pid])}, bound {bool(bound[pid])}, at "
+                                     f"{self._where(pid)})")
             held = [sum(map(len, ranges)) for ranges in pages.mapped]
             if held != pages.held_n.tolist():
                 slot = next(s for s, (n, m) in enumerate(zip(pages.held_n.tolist(), held)) if n != m)
                 raise VattnError(f"slot {slot} is counted as holding {pages.held_n[slot]} "
                                  f"pages but holds {held[slot]}")
-            if len(unique) + pool.num_free != pool.num_pages:
-                raise VattnError(f"{len(unique)} mapped + {pool.num_free} free pages != "
+            if int((pool.refs > 0).sum()) + pool.num_free != pool.num_pages:
+                raise VattnError(f"{int((pool.refs > 0).sum())} used + {pool.num_free} free pages != "
                                  f"{pool.num_pages} in the pool")
+
+    def _where(self, pid: int) -> list[tuple[int, int, int]]:
+        """Every (slot, range, index) that maps pool page ``pid`` (for error messages)."""
+        return [(slot, rng, i) for slot, ranges in enumerate(self._pages.mapped)
+                for rng, pids in enumerate(ranges) for i, p in enumerate(pids) if p == pid]
 
     # -- teardown and checks ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -532,6 +707,7 @@ class VirtualKVCache:
                 torch.cuda.synchronize(self.driver.device)
             self._views.clear()
             self._elems = None
+            self._keys.clear()
             for slot in range(self.layout.num_va_slots):
                 self._pages.trim(slot, 0)
             if self._base is not None:

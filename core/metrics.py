@@ -58,6 +58,9 @@ class Counters:
     shortfalls: int = 0               # slots ensure() could not grow (preemption-worthy)
     driver_faults: int = 0
     fence_waits: int = 0              # reclaim had to block on a fence
+    pages_aliased: int = 0            # pages mapped from a bound block key (prefix sharing)
+    keys_bound: int = 0               # bind(): fresh page-sets named by an engine block key
+    prefix_hits: int = 0              # bind(): page-sets taken from a key (hits), mapped or in place
     warm_hits: int = 0                # acquire() reused a slot with pages mapped
     map_page_us: Histogram = field(default_factory=Histogram)
     unmap_page_us: Histogram = field(default_factory=Histogram)

@@ -1,8 +1,15 @@
-"""Physical page pool: every handle is created once, up front, within a memory budget."""
+"""Physical page pool: every handle is created once, up front, within a memory budget.
+
+Pages are reference-counted: each mapping of a page counts one reference, and so does a block
+key bound to it (prefix sharing: one physical page mapped at several addresses). A page returns
+to the free list when its last reference goes.
+"""
 
 from __future__ import annotations
 
 from collections import deque
+
+import numpy as np
 
 from .errors import ConfigError, DriverError
 
@@ -12,7 +19,7 @@ FRESH = object()  # tenant tag of a page that was never handed to anyone
 
 
 class PagePool:
-    """A fixed set of physical pages with a free list and a tenant tag per page.
+    """A fixed set of physical pages with a free list, a reference count and a tenant tag per page.
 
     Parameters
     ----------
@@ -37,7 +44,7 @@ class PagePool:
             raise
         self.tenant: list = [FRESH] * num_pages
         self._free = deque(range(num_pages))
-        self._is_free = [True] * num_pages
+        self.refs = np.zeros(num_pages, dtype=np.int32)   # mappings + bound keys; 0 <=> free
 
     @property
     def num_pages(self) -> int:
@@ -52,24 +59,35 @@ class PagePool:
         return self.num_pages - self.num_free
 
     def take(self, n: int) -> list[int] | None:
-        """Take ``n`` free pages (all or none); ``None`` when fewer are free."""
+        """Take ``n`` free pages (all or none), one reference each; ``None`` when fewer are free."""
         if n > len(self._free):
             return None
         ids = [self._free.popleft() for _ in range(n)]
-        for i in ids:
-            self._is_free[i] = False
+        self.refs[ids] = 1
         return ids
 
-    def give(self, ids) -> None:
-        """Return pages to the free list (most recently used first out: warm in caches)."""
+    def ref(self, ids) -> None:
+        """One more reference to each page in ``ids`` (none may be free)."""
         for i in ids:
-            if self._is_free[i]:
+            if self.refs[i] <= 0:
+                raise ConfigError(f"page {i} is free: it cannot gain a reference")
+            self.refs[i] += 1
+
+    def give(self, ids) -> int:
+        """Drop one reference to each page; a page whose last reference goes returns to the free
+        list (most recently used first out: warm in caches). Returns the pages freed."""
+        freed = 0
+        for i in ids:
+            if self.refs[i] <= 0:
                 raise ConfigError(f"page {i} returned to the pool twice")
-            self._is_free[i] = True
-            self._free.appendleft(i)
+            self.refs[i] -= 1
+            if not self.refs[i]:
+                self._free.appendleft(i)
+                freed += 1
+        return freed
 
     def is_free(self, page: int) -> bool:
-        return self._is_free[page]
+        return not self.refs[page]
 
     def close(self) -> None:
         self._release_all()

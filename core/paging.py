@@ -34,6 +34,7 @@ class SlotPages:
         self.cap_tokens = np.zeros(n, dtype=np.int64)   # tokens backed by usable page-sets
         self.held_n = np.zeros(n, dtype=np.int64)       # pool pages per slot (== held(slot))
         self.usable_n = np.zeros(n, dtype=np.int64)     # == usable(slot), for vectorised queries
+        self.bound = np.zeros(pool.num_pages, dtype=bool)  # page held by a block key (shared)
 
     def refresh(self, slot: int) -> None:
         """Recompute ``cap_tokens[slot]`` / ``usable_n[slot]`` after its pages changed."""
@@ -109,31 +110,127 @@ class SlotPages:
             self.scrub_pages(slot, rng, range(first, len(pages)), tenant)
 
     def trim(self, slot: int, num_sets: int) -> int:
-        """Unmap page-sets beyond ``num_sets`` (the GPU must be done with them); returns pages freed."""
+        """Unmap page-sets beyond ``num_sets`` (the GPU must be done with them); returns pages
+        freed (a page shared with another mapping or held by a block key stays allocated)."""
         freed = 0
-        for rng, pages in enumerate(self.mapped[slot]):
-            while len(pages) > num_sets:
-                start = time.perf_counter()
+        for rng in range(len(self.bases)):
+            freed += self._trim_range(slot, rng, num_sets)
+        self.counters.pages_reclaimed += freed
+        return freed
+
+    def _trim_range(self, slot: int, rng: int, num_sets: int) -> int:
+        pages, freed = self.mapped[slot][rng], 0
+        while len(pages) > num_sets:
+            start = time.perf_counter()
+            if pages[-1] >= 0:                  # -1: a hole left by a failed remap, not mapped
                 self.counters.unmap_calls += 1
                 try:
                     self.driver.unmap(self.va(rng, slot, len(pages) - 1), self.layout.page_bytes)
                 except DriverError:
                     self.counters.driver_faults += 1
                     raise
-                self.pool.give([pages.pop()])
-                self.held_n[slot] -= 1
-                self.access[slot][rng] = min(self.access[slot][rng], len(pages))
-                self.refresh(slot)
-                self.counters.unmap_page_us.observe((time.perf_counter() - start) * 1e6)
-                freed += 1
-        self.counters.pages_reclaimed += freed
+                freed += self.pool.give([pages[-1]])
+            pages.pop()
+            self.held_n[slot] -= 1
+            self.access[slot][rng] = min(self.access[slot][rng], len(pages))
+            self.refresh(slot)
+            self.counters.unmap_page_us.observe((time.perf_counter() - start) * 1e6)
         return freed
+
+    # -- one page-set at a given index (prefix sharing) ---------------------------------------
+    def at(self, slot: int, index: int) -> tuple[int, ...] | None:
+        """The pool pages of page-set ``index`` of ``slot`` (one per range), or ``None`` unless
+        it is mapped and accessible in every range."""
+        if index >= self.usable(slot):
+            return None
+        return tuple(pages[index] for pages in self.mapped[slot])
+
+    def put(self, slot: int, index: int, pids: tuple[int, ...]) -> int:
+        """Map the page-set ``pids`` (already referenced elsewhere: the pages gain one reference
+        each) as page-set ``index`` of ``slot``, replacing what is mapped there; ``index`` is at
+        most the slot's usable page-sets (the region stays contiguous). Nothing is scrubbed: the
+        pages hold content shared with other mappings. The caller has waited for the fence of
+        whatever is replaced. Returns the pages freed by the replacement.
+
+        Raises
+        ------
+        DriverError
+            A VMM call failed; the record stays exact (a range either keeps its old page or has
+            the new one) and the call can be retried.
+        """
+        if not 0 <= index <= self.usable(slot) or index >= self.layout.pages_per_slot:
+            raise ValueError(f"page-set {index} of slot {slot} is not the next or a mapped one "
+                             f"(usable {self.usable(slot)}, at most {self.layout.pages_per_slot})")
+        try:
+            return self._put(slot, index, pids)
+        finally:
+            self.refresh(slot)
+
+    def _put(self, slot: int, index: int, pids: tuple[int, ...]) -> int:
+        freed, page_bytes = 0, self.layout.page_bytes
+        for rng, pid in enumerate(pids):
+            pages, va = self.mapped[slot][rng], self.va(rng, slot, index)
+            if index < len(pages):
+                if pages[index] == pid:         # already there (a retry): access may be missing
+                    self._restore_access(slot, rng)
+                    continue
+                self.counters.unmap_calls += 1
+                try:
+                    self.driver.unmap(va, page_bytes)
+                except DriverError:
+                    self.counters.driver_faults += 1
+                    raise
+                freed += self.pool.give([pages[index]])
+                prev, self.access[slot][rng] = self.access[slot][rng], index
+                pages[index] = -1               # unmapped: a failure below leaves no stale id
+            self.counters.map_calls += 1
+            try:
+                self.driver.map(va, page_bytes, self.pool.handles[pid])
+            except DriverError:
+                self.counters.driver_faults += 1
+                if index < len(pages):          # the hole is closed by dropping the tail
+                    self._drop_from(slot, rng, index)
+                raise
+            self.pool.ref([pid])
+            self.counters.pages_aliased += 1
+            if index == len(pages):
+                self.add_page(slot, rng, pid)
+                self._restore_access(slot, rng)
+                continue
+            pages[index] = pid
+            self.counters.set_access_calls += 1
+            try:
+                self.driver.set_access(va, page_bytes)
+            except DriverError:
+                self.counters.driver_faults += 1
+                raise
+            self.access[slot][rng] = prev      # the pages above kept their access
+        return freed
+
+    def _restore_access(self, slot: int, rng: int) -> None:
+        """Make ``slot``'s pages in ``rng`` accessible again up to its first unmapped one."""
+        pages, first = self.mapped[slot][rng], self.access[slot][rng]
+        if first < len(pages):
+            self.counters.set_access_calls += 1
+            try:
+                self.driver.set_access(self.va(rng, slot, first), (len(pages) - first) * self.layout.page_bytes)
+            except DriverError:
+                self.counters.driver_faults += 1
+                raise
+            self.access[slot][rng] = len(pages)
+
+    def _drop_from(self, slot: int, rng: int, index: int) -> None:
+        """After a failed remap left a hole at ``index``: unmap the pages above it and drop the
+        hole, so the range is a contiguous stack again."""
+        self._trim_range(slot, rng, index)
 
     def scrub_pages(self, slot: int, rng: int, indices, tenant) -> None:
         """Zero the listed accessible pages whose tenant differs (policy permitting); tag them."""
         policy, pages = self.cfg.scrub, self.mapped[slot][rng]
         for i in indices:
             pid = pages[i]
+            if self.bound[pid]:                 # shared content: never scrubbed, never retagged
+                continue
             if policy == "always" or (policy == "tenant" and self.pool.tenant[pid] is not tenant
                                       and self.pool.tenant[pid] != tenant):
                 self.driver.zero(self.va(rng, slot, i), self.layout.page_bytes)

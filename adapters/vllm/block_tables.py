@@ -33,11 +33,14 @@ class VattnBlockTables(BlockTables):
         The worker's runtime (slots, pages, slot tables).
     seq_lens : torch.Tensor
         The runner's persistent ``input_buffers.seq_lens`` (``[max_num_reqs]`` int32).
+    num_computed : numpy.ndarray, optional
+        The runner's ``req_states.num_computed_tokens_np``: for a new request, set before its
+        blocks arrive, the tokens its prefix-cache hit covers (whole blocks).
     **kwargs
         vLLM's ``BlockTables`` arguments, unchanged.
     """
 
-    def __init__(self, *, runtime: GpuRuntime, seq_lens: torch.Tensor, **kwargs):
+    def __init__(self, *, runtime: GpuRuntime, seq_lens: torch.Tensor, num_computed=None, **kwargs):
         super().__init__(**kwargs)
         if self.num_kv_cache_groups != 1 or self.cp_size != 1:
             raise UnsupportedError(f"vattn needs one KV cache group without context parallelism, got "
@@ -47,11 +50,16 @@ class VattnBlockTables(BlockTables):
                                    f"{self.kernel_block_sizes} for {self.block_sizes}")
         self.runtime = runtime
         self._seq_lens = seq_lens
+        self._num_computed = num_computed
 
     def append_block_ids(self, req_index: int, new_block_ids: tuple[list[int], ...],
                          overwrite: bool) -> None:
         super().append_block_ids(req_index, new_block_ids, overwrite)
-        self.runtime.on_blocks(req_index, int(self.num_blocks.np[0, req_index]), new_request=overwrite)
+        hits = 0
+        if overwrite and self._num_computed is not None:
+            hits = int(self._num_computed[req_index]) // self.block_sizes[0]
+        self.runtime.on_blocks(req_index, int(self.num_blocks.np[0, req_index]), new_request=overwrite,
+                               block_ids=new_block_ids[0], hits=hits)
 
     def apply_staged_writes(self) -> None:
         super().apply_staged_writes()

@@ -73,17 +73,20 @@ def _wrap_init(original, mr):
     @functools.wraps(original)
     def initialize_kv_cache(self, kv_cache_config):
         gpu_layout.check_engine_config(self.vllm_config)
+        sharing = bool(getattr(self.vllm_config.cache_config, "enable_prefix_caching", False))
         runtime = start_runtime(kv_cache_config, device=self.device, max_num_reqs=self.max_num_reqs,
-                                max_model_len=self.max_model_len, max_num_tokens=self.max_num_tokens)
+                                max_model_len=self.max_model_len, max_num_tokens=self.max_num_tokens,
+                                prefix_caching=sharing)
         from .block_tables import VattnBlockTables
-        tables = functools.partial(VattnBlockTables, runtime=runtime, seq_lens=self.input_buffers.seq_lens)
+        tables = functools.partial(VattnBlockTables, runtime=runtime, seq_lens=self.input_buffers.seq_lens,
+                                   num_computed=self.req_states.num_computed_tokens_np)
         with _swapped(mr, BlockTables=tables, init_kv_cache=functools.partial(bind_kv_views, runtime)):
             return original(self, kv_cache_config)
     return initialize_kv_cache
 
 
 def start_runtime(kv_cache_config, *, device, max_num_reqs: int, max_model_len: int,
-                  max_num_tokens: int):
+                  max_num_tokens: int, prefix_caching: bool = False):
     """Create and install the process's :class:`GpuRuntime` for vLLM's ``KVCacheConfig``."""
     from .gpu_runtime import GpuRuntime
     group = kv_cache_config.kv_cache_groups[0] if kv_cache_config.kv_cache_groups else None
@@ -103,10 +106,12 @@ def start_runtime(kv_cache_config, *, device, max_num_reqs: int, max_model_len: 
         torch.cuda.empty_cache()   # hand the profiling run's cached blocks back before cuMemCreate
     rt.uninstall()
     runtime = GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max_num_tokens,
-                         attn_margin=gpu_layout.EXACT_MARGIN if exact else 0, max_model_len=max_model_len)
+                         attn_margin=gpu_layout.EXACT_MARGIN if exact else 0, max_model_len=max_model_len,
+                         prefix_caching=prefix_caching)
     rt.install(runtime)
-    logger.info("%s (vLLM blocks of %d tokens = page-sets)",
-                runtime.cache.summary(prewarm_s=runtime.prewarm_s), block)
+    logger.info("%s (vLLM blocks of %d tokens = page-sets; prefix caching %s)",
+                runtime.cache.summary(prewarm_s=runtime.prewarm_s), block,
+                "on: cached blocks are mapped into each request's region" if prefix_caching else "off")
     return runtime
 
 

@@ -97,7 +97,7 @@ def _kv_dtype(model_config, cache_config) -> torch.dtype:
 
 def block_size_for_vllm(vllm_config) -> int:
     """The ``block_size`` vattn needs for this engine config (the backend's preferred size)."""
-    model, par = vllm_config.model_config, vllm_config.parallel_config
+    cache, model, par = vllm_config.cache_config, vllm_config.model_config, vllm_config.parallel_config
     return tokens_per_page(num_kv_heads=model.get_num_kv_heads(par), head_dim=model.get_head_size(),
                            dtype=_kv_dtype(model, vllm_config.cache_config),
                            group_size=group_size_for(model.get_num_layers(par)))
@@ -139,15 +139,12 @@ def check_engine_config(vllm_config) -> None:
     Raises
     ------
     ConfigError
-        Prefix caching on, vLLM's own CuMem (sleep-mode) allocator on, or a backend other than
+        vLLM's own CuMem (sleep-mode) allocator on, or a backend other than
         ``CUSTOM`` selected while ``VATTN_VLLM=1``.
     UnsupportedError
         Speculative decoding, KV transfer, context parallelism, MLA or a quantized KV cache.
     """
     cache, model, par = vllm_config.cache_config, vllm_config.model_config, vllm_config.parallel_config
-    if getattr(cache, "enable_prefix_caching", False):
-        raise ConfigError("vattn does not support vLLM prefix caching yet: pass "
-                          "enable_prefix_caching=False (--no-enable-prefix-caching)")
     if getattr(model, "enable_sleep_mode", False) or getattr(model, "enable_cumem_allocator", False):
         raise ConfigError("vattn manages KV memory with its own CUDA VMM pool: turn off vLLM's "
                           "sleep mode / enable_cumem_allocator")

@@ -53,7 +53,9 @@ __all__ = ["WORKLOADS", "LLAMA3_8B", "IDENTITY_MODEL", "waste_per_request", "mai
 
 #: name -> (num prompts, prompt length, new tokens, max_num_seqs) — the issue's workloads
 WORKLOADS = {"decode-heavy": (256, 512, 512, 256), "prefill-heavy": (32, 16384, 64, 32),
-             "long-context": (8, 65536, 64, 8)}
+             "long-context": (8, 65536, 64, 8), "shared-prefix": (128, 4096 + 256, 128, 128)}
+#: ``shared-prefix``: every prompt is one 4,096-token system prompt + 256 tokens of its own
+SHARED_PREFIX = 4096
 LLAMA3_8B = dict(PRESETS["llama3-8b-shape"], max_position_embeddings=131072)
 IDENTITY_MODEL = dict(LLAMA3_8B, num_hidden_layers=8, intermediate_size=4096, vocab_size=32000,
                       max_position_embeddings=8192)
@@ -105,6 +107,10 @@ def stage_identity(args) -> dict:
     _free_cuda()
     lengths = [64 + (i * 389) % 1800 for i in range(16)]          # crosses many 128-token pages
     prompts = random_prompts(16, lengths, vocab_size=IDENTITY_MODEL["vocab_size"], seed=5)
+    shared = os.environ.get("VATTN_IDENTITY_PREFIX", "0") == "1"
+    if shared:   # 4 prefixes of lengths that are no multiple of a block, each shared by 4 prompts
+        bases = random_prompts(4, [300, 777, 1100, 1500], vocab_size=IDENTITY_MODEL["vocab_size"], seed=9)
+        prompts = [bases[i % 4] + p[:40 + 37 * i] for i, p in enumerate(prompts)]
     eager = os.environ.get("VATTN_IDENTITY_EAGER", "0") == "1"
     # in-process engine core: every prompt is queued before the first step, so the batches (and
     # the chunking of each prompt) do not depend on when requests reach a separate engine process
@@ -112,10 +118,11 @@ def stage_identity(args) -> dict:
     runner = _runner(args.out, "identity", 8, _modes("VATTN_IDENTITY_MODES",
                                                      "stock vattn-exact vattn ceiling"),
                      enforce_eager=eager,
-                     engine_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if inproc else None)
+                     engine_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if inproc else None,
+                     prefix_caching=_sizing()["prefix_caching"] if shared else False)
     results, errors = _run_all(runner, model, prompts, 48, logprobs=5)
-    report = {"eager": eager, "inproc": inproc, "errors": errors, "modes": list(results),
-              "ok": not errors}
+    report = {"eager": eager, "inproc": inproc, "shared_prefixes": shared, "errors": errors,
+              "modes": list(results), "ok": not errors}
     if "stock" in results:
         report["not_degenerate"] = check_not_degenerate(results["stock"].token_ids)
         report["ok"] &= report["not_degenerate"]["ok"]
@@ -150,6 +157,10 @@ def _workload(args):
     num, plen, new, seqs = WORKLOADS[args.workload]
     name, fields = _shape()
     model = _config_only_model(os.path.join(args.models, name.replace("-shape", "-dummy")), fields)
+    if args.workload == "shared-prefix":
+        (shared,) = random_prompts(1, SHARED_PREFIX, vocab_size=fields["vocab_size"], seed=11)
+        own = random_prompts(num, plen - SHARED_PREFIX, vocab_size=fields["vocab_size"], seed=7)
+        return num, plen, new, seqs, model, [shared + p for p in own]
     prompts = random_prompts(num, plen, vocab_size=fields["vocab_size"], seed=7)
     return num, plen, new, seqs, model, prompts
 
@@ -171,7 +182,11 @@ def _sizing() -> dict:
     sizing = os.environ.get("VATTN_SIZING", "defaults")
     if sizing not in ("defaults", "tuned"):
         raise SystemExit(f"VATTN_SIZING must be 'defaults' or 'tuned', got {sizing!r}")
-    return {"sizing": "defaults"} if sizing == "defaults" else {"max_num_batched_tokens": 16384}
+    caching = os.environ.get("VATTN_PREFIX_CACHING", "default")
+    if caching not in ("default", "on", "off"):
+        raise SystemExit(f"VATTN_PREFIX_CACHING must be 'default', 'on' or 'off', got {caching!r}")
+    pc = {"prefix_caching": {"default": "default", "on": True, "off": False}[caching]}
+    return pc | ({"sizing": "defaults"} if sizing == "defaults" else {"max_num_batched_tokens": 16384})
 
 
 def stage_throughput(args) -> dict:

@@ -50,10 +50,16 @@ class GpuRuntime:
     max_model_len : int, optional
         The longest request (vLLM's ``max_model_len``; default ``config.max_context``): it must
         fit the attention page.
+    prefix_caching : bool
+        vLLM's ``enable_prefix_caching``. On: every block a request receives is bound to the
+        page-set that holds it (:meth:`VirtualKVCache.bind`, keyed by vLLM's block id), and a
+        new request's prefix-cache hit maps the cached page-sets into its own region (shared,
+        never copied); vLLM's block pool, hashing and eviction decide everything, vattn follows.
     """
 
     def __init__(self, config: KVCacheConfig, *, block_size: int, layer_names: list[str],
-                 max_num_tokens: int, attn_margin: int = 0, max_model_len: int | None = None):
+                 max_num_tokens: int, attn_margin: int = 0, max_model_len: int | None = None,
+                 prefix_caching: bool = False):
         start = time.perf_counter()
         if len(layer_names) != config.num_layers:
             raise ConfigError(f"{len(layer_names)} layer names for a cache of {config.num_layers} layers")
@@ -75,6 +81,8 @@ class GpuRuntime:
                                  device=config.torch_device)
         self._slot: dict[int, int] = {}        # request index -> vattn slot
         self._pending: dict[int, int] = {}     # request index -> tokens its blocks cover
+        self.sharing = prefix_caching
+        self._binds: dict[int, list] = {}      # request index -> [first new block, new ids, hits]
         self._kv: dict[int, torch.Tensor] = {}
         self.step_us = Histogram()             # host time of apply() (ensure + upload) per step
         self.blocks_us = Histogram()           # host time of on_blocks() (incl. acquire) per call
@@ -87,18 +95,29 @@ class GpuRuntime:
         self.init_s = time.perf_counter() - start
 
     # -- host side ---------------------------------------------------------------------------
-    def on_blocks(self, index: int, num_blocks: int, *, new_request: bool) -> None:
-        """Request ``index`` now holds ``num_blocks`` blocks; a new request takes a slot first."""
+    def on_blocks(self, index: int, num_blocks: int, *, new_request: bool, block_ids=(),
+                  hits: int = 0) -> None:
+        """Request ``index`` now holds ``num_blocks`` blocks, the last ``len(block_ids)`` of them
+        new; a new request takes a slot first. With prefix caching, its first ``hits`` blocks
+        are prefix-cache hits (whole blocks vLLM already holds) and it prefers the idle slot
+        where they are mapped."""
         start = time.perf_counter()
         tokens = min(num_blocks * self.block_size, self.cache.config.max_context)
         if new_request:
             if index in self._slot:                     # re-added without a removal: a new request
                 self.release(index)
-            slot = self._slot[index] = self.cache.acquire(expected_len=tokens)
+            prefer = block_ids[0] if self.sharing and hits else None
+            slot = self._slot[index] = self.cache.acquire(expected_len=tokens, prefer=prefer)
             self.tables.assign(index, slot)
         elif index not in self._slot:
             raise VattnError(f"request index {index} got blocks but holds no vattn slot")
         self._pending[index] = tokens
+        if self.sharing and len(block_ids):
+            pending = self._binds.get(index)
+            if pending is None or new_request:
+                self._binds[index] = [num_blocks - len(block_ids), list(block_ids), hits]
+            else:                                       # twice in one step: one bind
+                pending[1].extend(block_ids)
         self.blocks_us.observe((time.perf_counter() - start) * 1e6)
 
     def apply(self) -> None:
@@ -111,6 +130,12 @@ class GpuRuntime:
             and vattn's page pool disagree (a bug), not memory pressure.
         """
         start = time.perf_counter()
+        if self._binds:
+            for index, (first, ids, hits) in self._binds.items():
+                if not self.cache.bind(self._slot[index], first, ids, hits=hits):
+                    raise VattnError(f"vattn could not map the page-sets of vLLM blocks {ids} "
+                                     f"although vLLM allocated them; capacity: {self.cache.capacity()}")
+            self._binds.clear()
         if self._pending:
             indices = list(self._pending)
             slots = np.fromiter((self._slot[i] for i in indices), dtype=np.int64, count=len(indices))
@@ -129,6 +154,7 @@ class GpuRuntime:
         """Request ``index`` left (finished, aborted or preempted): release its slot, fenced."""
         slot = self._slot.pop(index, None)
         self._pending.pop(index, None)
+        self._binds.pop(index, None)
         if slot is not None:
             self.cache.release(slot)
             self.tables.clear(index)
@@ -165,6 +191,7 @@ class GpuRuntime:
             "prewarmed_pages": self.prewarmed_pages, "init_s": self.init_s,
             "slot_mapping": "triton" if self.tables.fused else f"torch ({self.tables.fused_error or 'not CUDA'})",
             "block_size": self.block_size, "rows_per_slot": self.rows_per_slot,
+            "prefix_caching": self.sharing,
             "attn_page_rows": self.attn_rows,
             "layout": cache_layout_row(self.cache.config, self.cache.layout.page_bytes)}
 

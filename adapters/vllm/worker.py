@@ -20,6 +20,7 @@ STOCK_BLOCK_SIZE = 16   # the paged baseline of the design notes
 def engine_kwargs(spec: dict) -> dict:
     """``LLM(...)`` arguments for a mode: ``stock`` (paged), ``ceiling`` (one block per request), ``vattn``.
 
+    ``prefix_caching``: ``False`` (default), ``True``, or ``"default"`` (vLLM's own: on).
     ``sizing="defaults"`` in the spec leaves ``max_model_len``, ``max_num_seqs``,
     ``max_num_batched_tokens`` and (unless given) ``gpu_memory_utilization`` to vLLM, as a user
     who only turns vattn on would. On GPU: ``stock`` is ``FLASH_ATTN`` with 16-token blocks, ``ceiling`` the same kernel with one
@@ -30,8 +31,11 @@ def engine_kwargs(spec: dict) -> dict:
     mode, gpu = spec["mode"], spec["device"].startswith("cuda")
     max_len, max_seqs = spec["max_model_len"], spec["max_num_seqs"]
     kw = dict(model=spec["model_dir"], skip_tokenizer_init=True, dtype=spec["dtype"], seed=0,
-              enable_prefix_caching=False, enforce_eager=spec.get("enforce_eager", not gpu),
-              load_format=spec.get("load_format", "auto"))
+              enforce_eager=spec.get("enforce_eager", not gpu), load_format=spec.get("load_format", "auto"))
+    # prefix caching: off unless the spec says (vattn's CPU path refuses it); "default" leaves
+    # it to vLLM (on), as a user who only turns vattn on would run
+    if spec.get("prefix_caching", False) != "default":
+        kw["enable_prefix_caching"] = bool(spec.get("prefix_caching", False))
     if spec.get("sizing") != "defaults":    # else vLLM's own: the model's length, its batch sizes
         kw.update(max_model_len=max_len, max_num_seqs=max_seqs,
                   max_num_batched_tokens=spec.get("max_num_batched_tokens", max(max_len, 2048)))

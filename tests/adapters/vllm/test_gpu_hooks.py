@@ -6,6 +6,7 @@ the runner and of its module, plus the backend classes' static answers.
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,9 +23,9 @@ class FullAttentionSpec(SimpleNamespace):   # gpu_layout checks the spec's class
     pass
 
 
-def _vllm_config(backend="CUSTOM"):
+def _vllm_config(backend="CUSTOM", prefix_caching=False):
     return SimpleNamespace(
-        cache_config=SimpleNamespace(enable_prefix_caching=False, cache_dtype="auto"),
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching, cache_dtype="auto"),
         model_config=SimpleNamespace(enable_sleep_mode=False, enable_cumem_allocator=False, use_mla=False,
                                      dtype=torch.float32),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
@@ -40,9 +41,10 @@ def _kv_config(block=1024):
                                                                           layer_names=list(NAMES))])
 
 
-def _runner(backend="CUSTOM"):
-    return SimpleNamespace(vllm_config=_vllm_config(backend), device=torch.device("cpu"), max_num_reqs=3,
-                           max_model_len=3000, max_num_tokens=64, req_states=SimpleNamespace(req_id_to_index={}),
+def _runner(backend="CUSTOM", prefix_caching=False):
+    states = SimpleNamespace(req_id_to_index={}, num_computed_tokens_np=np.zeros(3, dtype=np.int32))
+    return SimpleNamespace(vllm_config=_vllm_config(backend, prefix_caching), device=torch.device("cpu"),
+                           max_num_reqs=3, max_model_len=3000, max_num_tokens=64, req_states=states,
                            input_buffers=SimpleNamespace(seq_lens=torch.full((3,), 4000, dtype=torch.int32)))
 
 
@@ -217,3 +219,34 @@ def test_impl_stores_at_slot_rows_and_attends_per_request(fake_module, monkeypat
                                                           causal=True))
     assert bool((out[10:] == 0).all())
     assert pages == [runtime.attn_rows] and (runtime.attn_rows % 128 != 0) == (exact == "1")
+
+
+def test_block_tables_pass_vllm_block_ids_and_prefix_hits(fake_module):
+    """With prefix caching on, a new request's hit (num_computed_tokens, set by vLLM before its
+    blocks arrive) maps the first request's page-sets into its own region."""
+    from vattn.adapters.vllm.block_tables import VattnBlockTables
+    runner = _runner(prefix_caching=True)
+    seen = {}
+    gpu_hooks._wrap_init(_fake_initialize(fake_module, seen), fake_module)(runner, _kv_config())
+    assert seen["tables"].keywords["num_computed"] is runner.req_states.num_computed_tokens_np
+    tables = object.__new__(VattnBlockTables)        # vLLM's __init__ needs UVA (a GPU)
+    tables.runtime, tables._seq_lens = rt.current(), runner.input_buffers.seq_lens
+    tables._num_computed, tables.block_sizes = runner.req_states.num_computed_tokens_np, [1024]
+    tables.num_blocks = SimpleNamespace(np=np.zeros((1, 3), dtype=np.int32))
+    stock = VattnBlockTables.__mro__[1].append_block_ids
+    try:
+        def append(self, index, ids, overwrite):     # vLLM's bookkeeping: the block count
+            self.num_blocks.np[0, index] = (0 if overwrite else self.num_blocks.np[0, index]) + len(ids[0])
+        VattnBlockTables.__mro__[1].append_block_ids = append
+        tables.append_block_ids(0, ([3, 4],), overwrite=True)
+        tables.apply_staged_writes = None
+        tables.runtime.apply()
+        runner.req_states.num_computed_tokens_np[1] = 1024        # one whole block cached
+        tables.append_block_ids(1, ([3, 6],), overwrite=True)
+        tables.runtime.apply()
+        cache, (a, b) = tables.runtime.cache, (tables.runtime.slot(0), tables.runtime.slot(1))
+        assert cache._pages.at(a, 0) == cache._pages.at(b, 0) and cache._pages.at(a, 1) != cache._pages.at(b, 1)
+        assert cache.metrics()["prefix_hits"] == 1 and tables.runtime.metrics()["prefix_caching"] is True
+        cache.audit()
+    finally:
+        VattnBlockTables.__mro__[1].append_block_ids = stock

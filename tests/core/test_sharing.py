@@ -1,0 +1,183 @@
+"""Prefix sharing: page-sets named by block keys, one physical page-set mapped into several slots."""
+
+import pytest
+import torch
+
+from vattn.core import ContextLengthError, SlotError
+from vattn.core.driver import FaultInjector
+from vattn.core.driver.host import HostDriver
+from vattn.core.errors import InjectedFault
+
+from tests.core._util import make_cache
+
+T = 128   # tokens per page-set of the small cache (64 KiB pages, 512 bytes per token and range)
+
+
+def fill(cache, slot, first, last, value):
+    """Write ``value`` into K and V of every layer for tokens ``first .. last - 1`` of ``slot``."""
+    for layer in range(cache.config.num_layers):
+        cache.k(layer)[slot, first:last] = value
+        cache.v(layer)[slot, first:last] = -value
+
+
+def read(cache, slot, first, last):
+    return [(cache.k(layer)[slot, first:last].unique().tolist(), cache.v(layer)[slot, first:last].unique().tolist())
+            for layer in range(cache.config.num_layers)]
+
+
+def same(cache, slot, first, last, value):
+    return read(cache, slot, first, last) == [([float(value)], [float(-value)])] * cache.config.num_layers
+
+
+@pytest.fixture
+def cache():
+    c = make_cache()
+    yield c
+    c.audit()
+    c.close()
+
+
+def test_a_hit_maps_the_same_physical_pages_and_fresh_blocks_stay_private(cache):
+    a = cache.acquire()
+    assert cache.bind(a, 0, ["k0", "k1", "k2"])
+    cache.ensure({a: 3 * T})
+    fill(cache, a, 0, 3 * T, 7)
+    b = cache.acquire()
+    assert cache.bind(b, 0, ["k0", "k1", "k9"], hits=2)
+    cache.ensure({b: 3 * T})
+    assert cache._pages.at(b, 0) == cache._pages.at(a, 0) and cache._pages.at(b, 1) == cache._pages.at(a, 1)
+    assert cache._pages.at(b, 2) != cache._pages.at(a, 2)
+    assert same(cache, b, 0, 2 * T, 7)                     # read through b's own addresses
+    fill(cache, b, 2 * T, 3 * T, 3)                        # b's fresh block does not touch a's
+    assert same(cache, a, 2 * T, 3 * T, 7) and same(cache, b, 2 * T, 3 * T, 3)
+    m = cache.metrics()
+    assert m["prefix_hits"] == 2 and m["keys_bound"] == 4 and m["keys_held"] == 4
+    assert m["pages_aliased"] == 2 * cache.layout.num_ranges
+
+
+def test_cached_content_survives_its_slot_being_reused(cache):
+    a = cache.acquire()
+    cache.bind(a, 0, ["p0", "p1"])
+    fill(cache, a, 0, 2 * T, 5)
+    cache.release(a)
+    # the slot is handed to a request with other (fresh) blocks: the cached page-sets move out
+    c = cache.acquire()
+    assert c == a            # the warmest idle slot
+    cache.bind(c, 0, ["q0", "q1"])
+    fill(cache, c, 0, 2 * T, 9)
+    cache.audit()
+    d = cache.acquire()
+    cache.bind(d, 0, ["p0", "p1", "p2"], hits=2)           # a later hit still finds p0, p1
+    assert same(cache, d, 0, 2 * T, 5) and same(cache, c, 0, 2 * T, 9)
+
+
+def test_prefer_hands_out_the_home_slot_so_a_hit_maps_nothing(cache):
+    a = cache.acquire()
+    cache.bind(a, 0, ["h0", "h1"])
+    fill(cache, a, 0, 2 * T, 4)
+    cache.release(a)
+    other = cache.acquire()          # takes some idle slot (a is the warmest)
+    cache.release(other)
+    maps = cache.metrics()["map_calls"]
+    b = cache.acquire(prefer="h0")
+    assert b == a
+    cache.bind(b, 0, ["h0", "h1"], hits=2)
+    assert cache.metrics()["map_calls"] == maps and same(cache, b, 0, 2 * T, 4)
+
+
+def test_a_reused_block_id_drops_its_old_content(cache):
+    a = cache.acquire()
+    cache.bind(a, 0, ["x0"])
+    cache.release(a)
+    b = cache.acquire()
+    b2 = cache.acquire()
+    cache.bind(b2, 0, ["y0"])
+    cache.bind(b2, 1, ["x0"])         # the engine evicted x0 and hands it out fresh
+    assert cache._keys.home["x0"] == (b2, 1)
+    cache.release(b)
+    cache.release(b2)
+    assert cache.reclaim() > 0        # the old x0 page-set is loose now: reclaimable like any
+    cache.audit()
+
+
+def test_forget_frees_unmapped_page_sets(cache):
+    a = cache.acquire()
+    cache.bind(a, 0, ["f0", "f1"])
+    cache.release(a)
+    cache.reclaim()                    # unmaps them; the keys still hold the pages
+    used = cache.metrics()["pages_mapped"]
+    assert used >= 2 * cache.layout.num_ranges
+    assert cache.forget(["f0", "f1", "never-bound"]) == 2 * cache.layout.num_ranges
+    assert cache.metrics()["keys_held"] == 0
+
+
+def test_bad_bind_input_is_refused(cache):
+    a = cache.acquire()
+    with pytest.raises(SlotError, match="no page-set holds"):
+        cache.bind(a, 0, ["unknown"], hits=1)
+    with pytest.raises(SlotError, match="listed twice"):
+        cache.bind(a, 0, ["k", "k"])
+    with pytest.raises(SlotError, match="hits"):
+        cache.bind(a, 0, ["k"], hits=2)
+    with pytest.raises(SlotError, match="start"):
+        cache.bind(a, -1, ["k"])
+    with pytest.raises(ContextLengthError, match="exceed"):
+        cache.bind(a, cache.layout.pages_per_slot, ["k"])
+    cache.release(a)
+    with pytest.raises(SlotError, match="not acquired"):
+        cache.bind(a, 0, ["k"])
+
+
+def test_tenant_change_scrubs_loose_pages_but_never_shared_ones(cache):
+    a = cache.acquire(tenant="t1")
+    cache.bind(a, 0, ["s0"])
+    cache.ensure({a: 2 * T})
+    fill(cache, a, 0, 2 * T, 6)
+    cache.release(a)
+    b = cache.acquire(tenant="t2")
+    assert b == a
+    assert same(cache, b, 0, T, 6)                # the bound page-set is not scrubbed ...
+    assert same(cache, b, T, 2 * T, 0)            # ... the loose one above it is
+    cache.bind(b, 0, ["s0", "s1"], hits=1)
+    assert same(cache, b, 0, T, 6)
+
+
+def test_binding_under_memory_pressure_frees_loose_pages_first():
+    cache = make_cache(page_budget=16 * (64 << 10))   # 8 page-sets: padding + 7
+    try:
+        slots = [cache.acquire() for _ in range(3)]
+        for n, s in enumerate(slots):
+            assert cache.bind(s, 0, [f"r{n}a", f"r{n}b"])
+        cache.release(slots[0])
+        cache.release(slots[1])
+        s = slots[2]
+        # 6 of 7 page-sets are bound; one is free: the 7th and later must come from keys that
+        # the engine reuses (their content is dead)
+        assert cache.bind(s, 2, ["n2"])
+        assert not cache.bind(s, 3, ["n3"])           # every other page-set is held by a key
+        assert cache.bind(s, 3, ["r0a"])              # the engine evicted r0a: it is reused
+        cache.audit()
+        assert cache.metrics()["shortfalls"] == 0
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("method", ["map", "unmap", "set_access"])
+def test_a_driver_fault_while_aliasing_leaves_an_exact_record(method):
+    drv = FaultInjector(HostDriver(granularity=64 << 10))
+    cache = make_cache(driver=drv)
+    try:
+        a = cache.acquire()
+        cache.bind(a, 0, ["d0", "d1"])
+        fill(cache, a, 0, 2 * T, 2)
+        b = cache.acquire()
+        cache.ensure({b: 2 * T})                       # b's own pages: the hit replaces them
+        drv.arm(method, drv.calls[method] + 1)
+        with pytest.raises(InjectedFault):
+            cache.bind(b, 0, ["d0", "d1"], hits=2)
+        cache.audit()
+        assert cache.bind(b, 0, ["d0", "d1"], hits=2)  # the retry completes
+        assert same(cache, b, 0, 2 * T, 2)
+        cache.audit()
+    finally:
+        cache.close()

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The engines' own servers and benchmark clients on one GPU (H200): `vattn bench serve`, stock vs
+# vattn alternated (stock, vattn, stock, vattn, ...), a fresh server per run.
+#   vLLM   python -m vllm.entrypoints.openai.api_server + `vllm bench serve` (vLLM 0.26.0; the
+#          same bench-serve flags as 0.32.0); vattn = VATTN_VLLM=1 --attention-backend CUSTOM
+#          (and --no-enable-prefix-caching while vattn refuses prefix caching)
+#   SGLang python -m sglang.launch_server + sglang.bench_serving (0.5.17); vattn = VATTN_SGLANG=1
+#          --attention-backend vattn --page-size 16 --disable-radix-cache --disable-prefill-cuda-graph
+# Stock runs with the engine's defaults (prefix caching at its default) unless VATTN_LIKE_FOR_LIKE=1
+# (stock gets vattn's forced settings too). Knobs:
+#   VATTN_ENGINE      vllm (default) | sglang
+#   VATTN_SHAPES      model presets, in order (default "llama-1b-shape llama3-8b-shape"; config-only,
+#                     dummy weights, a word-level tokenizer written next to the config)
+#   VATTN_DATASET     random (default) | shared-prefix (VATTN_PREFIX_LEN, default 512, x
+#                     VATTN_NUM_PREFIXES, default 8)
+#   VATTN_INPUT_LEN / VATTN_OUTPUT_LEN   1024 / 256
+#   VATTN_RATE_1B / VATTN_RATE_8B        requests/s (default 40 / 16: estimates near saturation,
+#                     not yet measured); VATTN_PROMPTS_1B / VATTN_PROMPTS_8B (default 800 / 320:
+#                     about 20 s of arrivals each)
+#   VATTN_ROUNDS      rounds per shape (default 2)
+#   VATTN_SERVE_ARGS  extra server arguments for both modes (e.g. "--max-num-seqs 256")
+#   VATTN_BUDGET_S    wall budget of the script (default 530 s, < 9 min): a shape is skipped when
+#                     less than 150 s are left, and `vattn bench serve --budget-s` skips the rounds
+#                     that would not fit (estimated from the slowest run so far); both say so.
+# Expected times (not yet measured; vLLM on the H200 2026-12-04: an 8B engine starts in 45-55 s, the
+# first of a machine ~105 s): a run = start + ~25 s of requests + ~15 s client start, so a round of
+# the 1B shape ~2 min, of the 8B ~2.5 min; both shapes x 2 rounds do not fit one call: run
+#   VATTN_SHAPES=llama-1b-shape   then   VATTN_SHAPES=llama3-8b-shape   (one call each).
+# Needs the engine importable: vLLM from VATTN_VLLM_SITE, SGLang from VATTN_SITE (staged folders, as
+# tools/gpu/vllm.sh / sglang.sh read them). Results: $OUT/serve_results.tgz (rows.json, report.md,
+# serve_plot.png and every server / client log per shape) and $OUT/serve_summary.txt.
+set -u
+OUT=${OUT:-$PWD/vattn-out}; mkdir -p "$OUT"
+W=$(mktemp -d); R=$W/serve; mkdir -p "$R"
+SUM=$R/summary.txt; : > "$SUM"
+START=$(date +%s); BUDGET=${VATTN_BUDGET_S:-530}
+ENGINE=${VATTN_ENGINE:-vllm}
+. "$(dirname "$0")/engine_lib.sh"
+case "$ENGINE" in
+  vllm)
+    if [ -n "${VATTN_VLLM_SITE:-}" ]; then export PYTHONPATH="$VATTN_VLLM_SITE:${PYTHONPATH:-}"; fi
+    link_vattn '[vllm.general_plugins]\nvattn = vattn.adapters.vllm.plugin:register\n'
+    export VLLM_USE_FLASHINFER_SAMPLER=0 ;;
+  sglang)
+    if [ -n "${VATTN_SITE:-}" ]; then export PYTHONPATH="$VATTN_SITE:${PYTHONPATH:-}"; fi
+    link_vattn '[sglang.srt.plugins]\nvattn = vattn.adapters.sglang.plugin:register\n\n[sglang.srt.platforms]\nvattn = vattn.adapters.sglang.platform:activate\n'
+    unset VATTN_SGLANG ;;
+  *) echo "VATTN_ENGINE must be vllm or sglang, got $ENGINE" >&2; exit 2 ;;
+esac
+export VATTN_MODELS=${VATTN_MODELS:-$W/models}   # config-only models (a few kB each)
+
+pack() {
+  local tmp=$W/pack.$BASHPID.tgz
+  tar -czf "$tmp" --exclude='serve/*/models' --exclude='serve/*/client_home' -C "$W" serve 2>/dev/null
+  mv -f "$tmp" "$OUT/serve_results.tgz"
+  cp "$SUM" "$OUT/serve_summary.txt.$BASHPID" && mv -f "$OUT/serve_summary.txt.$BASHPID" "$OUT/serve_summary.txt"
+}
+# refreshed every 30 s, so a run killed from outside still returns the logs of the run it was in
+( n=0; while [ ! -e "$W/stop" ]; do sleep 1; n=$((n + 1)); [ $((n % 30)) -ne 0 ] || pack; done
+) > /dev/null 2>&1 & PACKER=$!
+trap 'touch "$W/stop"; wait $PACKER 2>/dev/null' EXIT
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -W ignore -c "import torch, $ENGINE; print('torch', torch.__version__, '$ENGINE', $ENGINE.__version__)"
+} > "$R/env.txt" 2>&1
+cat "$R/env.txt" >> "$SUM"
+
+DATASET=${VATTN_DATASET:-random}
+PREFIX=()
+[ "$DATASET" = shared-prefix ] && PREFIX=(--prefix-len "${VATTN_PREFIX_LEN:-512}" --num-prefixes "${VATTN_NUM_PREFIXES:-8}")
+for shape in ${VATTN_SHAPES:-llama-1b-shape llama3-8b-shape}; do
+  case "$shape" in
+    llama3-8b-shape) rate=${VATTN_RATE_8B:-16}; prompts=${VATTN_PROMPTS_8B:-320} ;;
+    *)               rate=${VATTN_RATE_1B:-40}; prompts=${VATTN_PROMPTS_1B:-800} ;;
+  esac
+  if [ "$DATASET" = shared-prefix ]; then   # a multiple of the prefixes: the same prompts per prefix
+    n=${VATTN_NUM_PREFIXES:-8}; prompts=$(( (prompts + n - 1) / n * n ))
+  fi
+  left=$(( BUDGET - ($(date +%s) - START) - 15 ))
+  # shellcheck disable=SC2086
+  run_stage "serve_$shape" 150 "$left" python3 -m vattn bench serve --engine "$ENGINE" \
+    --preset "$shape" --models "$VATTN_MODELS" --dataset "$DATASET" --rounds "${VATTN_ROUNDS:-2}" \
+    --rate "$rate" --num-prompts "$prompts" --input-len "${VATTN_INPUT_LEN:-1024}" \
+    --output-len "${VATTN_OUTPUT_LEN:-256}" "${PREFIX[@]}" --device cuda \
+    --server-timeout 300 --client-timeout 300 --budget-s "$(( left > 30 ? left - 30 : 1 ))" \
+    $([ "${VATTN_LIKE_FOR_LIKE:-0}" = 1 ] && echo --like-for-like) \
+    --out "$R/$shape" -- ${VATTN_SERVE_ARGS:-}
+done
+echo "== total $(( $(date +%s) - START )) s" | tee -a "$SUM"
+pack
