@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from .. import argtypes
+from ..core.errors import ConfigError
 from ..core.metrics import Histogram
 from .limits import check_fits
 from .report import command_line, write_section
@@ -34,15 +35,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--benchmarks", default="BENCHMARKS.md", help="file to write the section to")
     parser.add_argument("--no-report", action="store_true", help="print only, leave BENCHMARKS.md")
     parser.add_argument("--json", default=None, help="also write the raw numbers here")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="vLLM's prefix caching on: block ids from a vLLM-like block pool, "
+                             "generations repeating their prompts; counts VMM calls per generation")
+    parser.add_argument("--workload", choices=("decode-heavy", "shared-prefix", "multi-turn"),
+                        default="decode-heavy",
+                        help="with --prefix-caching: distinct prompts, one shared system prompt, or "
+                             "conversations (each generation the next turn: + the reply + --user tokens)")
+    parser.add_argument("--user", type=argtypes.positive_int, default=256,
+                        help="multi-turn: new user tokens per turn")
+    parser.add_argument("--shared", type=argtypes.positive_int, default=4096,
+                        help="shared-prefix: tokens of the shared system prompt (within --prompt)")
 
 
-def _runtime(device: str, batch: int, max_len: int):
+def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = False):
     """Llama-3-8B's page arithmetic (G=4: 128 tokens per 2 MiB page-set row) on CUDA; on the host
-    backend the same 128 tokens per page with 1 KV head of 64 fp32 values and 256 KiB pages."""
+    backend the same 128 tokens per page with 1 KV head of 64 fp32 values and 256 KiB pages (16
+    fp16 values and 32 KiB pages with prefix caching, whose workloads hold more tokens)."""
     from vattn.adapters.vllm.gpu_runtime import GpuRuntime
     from vattn.core import KVCacheConfig
     cuda = torch.device(device).type == "cuda"
-    heads, dim, dtype, page = (8, 128, torch.bfloat16, 2 << 20) if cuda else (1, 64, torch.float32, 256 << 10)
+    heads, dim, dtype, page = ((8, 128, torch.bfloat16, 2 << 20) if cuda else (1, 16, torch.float16, 32 << 10)
+                               if prefix_caching else (1, 64, torch.float32, 256 << 10))
     block = 128
     context = -(-max_len // block) * block
     pages_per_set = 32 // 4
@@ -52,7 +66,8 @@ def _runtime(device: str, batch: int, max_len: int):
     check_fits(f"{batch} requests of {max_len} tokens", cfg.page_budget, device,
                hint="lower --batch, --prompt or --new")
     names = [f"model.layers.{i}.self_attn.attn" for i in range(32)]
-    return GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max(batch, 8192))
+    return GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max(batch, 8192),
+                      prefix_caching=prefix_caching)
 
 
 def generation(rt, *, batch: int, prompt: int, new: int) -> dict:
@@ -90,6 +105,8 @@ def generation(rt, *, batch: int, prompt: int, new: int) -> dict:
 
 
 def run(args) -> int:
+    if args.prefix_caching:
+        return run_prefix(args)
     rt = _runtime(args.device, args.batch, args.prompt + args.new)
     try:
         generation(rt, batch=args.batch, prompt=args.prompt, new=args.new)          # warm-up
@@ -120,4 +137,50 @@ def run(args) -> int:
             json.dump(result, f, indent=1)
     if not args.no_report:
         write_section(f"host time per generation ({args.device})", md, command_line(), path=args.benchmarks)
+    return 0
+
+
+def run_prefix(args) -> int:
+    """``--prefix-caching``: generations of the same prompts through a vLLM-like block pool; per
+    generation the host time and the VMM calls vattn made (the first generation fills the cache,
+    the later ones hit it)."""
+    from .host_prefix import COUNTED, next_turn, prefix_generation, prompts_for
+    from .prefix_pool import PrefixBlockPool
+    if args.workload == "shared-prefix" and args.shared >= args.prompt:
+        raise ConfigError(f"--shared must be below --prompt ({args.prompt}), got {args.shared}")
+    turns = args.generations + 1
+    longest = args.prompt + args.new + ((turns - 1) * (args.new + args.user) if args.workload == "multi-turn" else 0)
+    rt = _runtime(args.device, args.batch, longest, prefix_caching=True)
+    try:
+        pool = PrefixBlockPool(rt.cache.config.page_budget // (rt.cache.layout.num_ranges
+                                                                * rt.cache.layout.page_bytes), rt.block_size)
+        prompts = prompts_for(args.workload, batch=args.batch, prompt=args.prompt, shared=args.shared)
+        runs = []
+        for turn in tqdm(range(turns), desc="generations", leave=False):
+            runs.append(prefix_generation(rt, pool, prompts, args.new))
+            tokens = runs[-1].pop("tokens")
+            if args.workload == "multi-turn":
+                prompts = next_turn(tokens, args.user, turn + 1)
+        rt.cache.audit()
+    finally:
+        rt.close()
+    rows = ["| generation | on_blocks ms | apply ms | release ms | " + " | ".join(COUNTED) + " |",
+            "|---" * (4 + len(COUNTED)) + "|"]
+    for n, r in enumerate(runs, start=1):
+        rows.append(f"| {n} | {r['on_blocks'] * 1e3:.1f} | {r['apply'] * 1e3:.1f} | {r['release'] * 1e3:.1f} | "
+                    + " | ".join(str(r["calls"][k]) for k in COUNTED) + " |")
+    md = (f"vattn's host work per generation with vLLM's prefix caching on ({args.workload}, {args.batch} "
+          f"requests, {args.prompt} in" + (f" of which {args.shared} shared" if args.workload == "shared-prefix"
+                                          else "") + f" / {args.new} out, the same prompts each "
+          f"generation, {args.device} backend; over the run the block pool handed out "
+          f"{pool.new_blocks + pool.hit_blocks} blocks, {pool.hit_blocks} of them hits):\n\n" + "\n".join(rows) + "\n")
+    print(md)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: getattr(args, k) for k in ("device", "batch", "prompt", "new", "workload",
+                                                               "shared", "generations")},
+                       "generations": runs}, f, indent=1)
+    if not args.no_report:
+        write_section(f"host work with prefix caching, {args.workload} ({args.device})", md, command_line(),
+                      path=args.benchmarks)
     return 0

@@ -104,6 +104,7 @@ class VirtualKVCache:
         self._one_tenant = True     # every slot has only ever had the tenant None (the common case)
         self._length = np.zeros(n, dtype=np.int64)
         self._bound_sets = np.zeros(n, dtype=np.int64)   # page-sets bind() gave the current request
+        self._loose: list[tuple[int, int]] = []           # candidates for _loose_set()
         self._fence: list = [None] * n
         self._released_at = np.zeros(n, dtype=np.int64)
         self._clock = 0
@@ -174,9 +175,10 @@ class VirtualKVCache:
     def acquire(self, *, tenant=None, expected_len: int = 0, prefer=None) -> int:
         """Hand out an idle slot, preferring the warm one whose pages best fit ``expected_len``.
 
-        ``prefer``: the block key of the request's first page-set when it is a prefix-cache hit
-        (:meth:`bind`); the idle slot where that page-set is mapped first is handed out, so the
-        hit needs no mapping at all.
+        ``prefer``: the block key of the last page-set of the request's prefix-cache hit
+        (:meth:`bind`); the idle slot where that page-set was last mapped is handed out first:
+        a request that ran there before (a repeated prompt, the next turn of a conversation)
+        finds its whole prefix in place and needs no mapping at all.
 
         Raises
         ------
@@ -213,14 +215,14 @@ class VirtualKVCache:
             return slot
 
     def _home_slot(self, key) -> int | None:
-        """The idle slot whose first page-set is the one ``key`` names, if there is one."""
+        """The idle slot where the page-set ``key`` names was last mapped, if it still is."""
         home = self._keys.home.get(key) if key is not None else None
-        if home is None or home[1] != 0:
+        if home is None:
             return None
-        slot = home[0]
+        slot, index = home
         if slot >= self.config.max_slots or self._active[slot] or slot in self._inflight:
             return None
-        return slot if self._pages.at(slot, 0) == self._keys.get(key) else None
+        return slot if self._pages.at(slot, index) == self._keys.get(key) else None
 
     def _best_fit(self, idle: np.ndarray, need: int, tenant) -> int:
         """The idle slot to hand out: one holding at least ``need`` page-sets first, the warmest
@@ -248,6 +250,8 @@ class VirtualKVCache:
             self._active[slot] = False
             self._clock += 1
             self._released_at[slot] = self._clock
+            if len(self._keys):                      # its unbound page-sets: loose from now on
+                self._note_loose(slot, int(self._bound_sets[slot]))
             if self._worker is not None:
                 self._worker.jobs.pop(slot, None)
 
@@ -281,6 +285,7 @@ class VirtualKVCache:
             for slot in idle:
                 if not self._pages.grow(slot, sets, self._tenant[slot], ahead=True):
                     break
+                self._note_loose(slot, 0)
             return before - self._pool.num_free
 
     def ensure(self, lengths, lengths_seq=None) -> list[int]:
@@ -409,12 +414,14 @@ class VirtualKVCache:
         with self._cond:
             while slot in self._inflight:             # the worker is appending to this slot
                 self._cond.wait()
-            for j, key in enumerate(keys):
-                index = start + j
-                if self._pages.usable(slot) < index and not self._grow(slot, index, {slot: index}, False)[0]:
-                    return False
-                ok = self._bind_hit(slot, index, key) if j < hits else self._bind_fresh(slot, index, key)
-                if not ok:
+            if self._pages.usable(slot) < start and not self._grow(slot, start, {slot: start}, False)[0]:
+                return False
+            if hits:
+                self._bind_hits(slot, start, keys[:hits])
+                self._bound_sets[slot] = max(self._bound_sets[slot], start + hits)
+            end = start + len(keys)
+            for index, key in enumerate(keys[hits:], start=start + hits):
+                if not self._bind_fresh(slot, index, key, end):
                     return False
                 self._bound_sets[slot] = max(self._bound_sets[slot], index + 1)
         return True
@@ -423,44 +430,119 @@ class VirtualKVCache:
         """The engine evicted these blocks: drop their keys (unknown keys are ignored). Their
         page-sets stay where they are mapped, as plain warm pages. Returns the pages freed."""
         with self._cond:
-            return sum(self._keys.drop(key) for key in keys if self._keys.get(key) is not None)
+            keys = [key for key in keys if self._keys.get(key) is not None]
+            self._loose.extend(h for h in map(self._keys.home.get, keys) if h is not None)
+            return sum(map(self._keys.drop, keys))
 
-    def _bind_hit(self, slot: int, index: int, key) -> bool:
-        pids = self._keys.get(key)
-        if pids is None:
+    def _bind_hits(self, slot: int, start: int, keys: list) -> None:
+        """Map the page-sets ``keys`` name at ``start ..`` of ``slot``; those already there (a
+        request back in the slot it ran in) cost nothing, the rest is one run of mappings."""
+        sets = [self._keys.get(key) for key in keys]
+        if None in sets:
+            key = keys[sets.index(None)]
             raise SlotError(f"prefix hit on block key {key!r}, which no page-set holds (never bound "
                             "by this cache, or dropped since)")
-        self._counters.prefix_hits += 1
-        cur = self._pages.at(slot, index)
-        if cur != pids:
-            if cur is not None:
-                self._wait_fence(slot)
-            self._pages.put(slot, index, pids)
-        return True
+        self._counters.prefix_hits += len(keys)
+        first = 0
+        while first < len(sets) and self._pages.at(slot, start + first) == sets[first]:
+            first += 1
+        if first == len(sets):
+            return
+        self._settle(slot)
+        if self._pages.usable(slot) > start + first:  # something is replaced: the last reader is done
+            self._wait_fence(slot)
+        self._pages.put(slot, start + first, sets[first:])
+        home = self._keys.home
+        for index, key in enumerate(keys[first:], start=start + first):
+            home[key] = (slot, index)                  # the latest mapping: where a request runs next
 
-    def _bind_fresh(self, slot: int, index: int, key) -> bool:
+    def _bind_fresh(self, slot: int, index: int, key, end: int) -> bool:
         cur, old = self._pages.at(slot, index), self._keys.get(key)
-        if old is not None:
+        if old is not None:                           # reused by the engine: its content is dead
+            home = self._keys.home.get(key)
             self._keys.drop(key)
+            if home is not None and home != (slot, index):
+                self._loose.append(home)
         if cur is None:                               # the next page-set: map it from the pool
             if not self._grow(slot, index + 1, {slot: index + 1}, False)[0]:
                 return False
             cur = self._pages.at(slot, index)
-        elif self._pages.bound[cur[0]]:               # another block's content: keep it, map new pages
-            pids = self._take_set(slot, index)
-            if pids is None:
-                return False
-            self._wait_fence(slot)
-            try:
-                self._pages.put(slot, index, pids)
-            finally:
-                self._pool.give(pids)                 # the mapping holds them now
-            cur = pids
+        elif self._pages.bound[cur[0]]:               # another block's content: keep it
+            if not self._move_out(slot, index, cur, end):  # then map new pages here
+                pids = self._take_set(slot, index)
+                if pids is None:
+                    return False
+                self._settle(slot)
+                self._wait_fence(slot)
+                try:
+                    self._pages.put(slot, index, [pids])
+                finally:
+                    self._pool.give(pids)             # the mapping holds them now
+                cur = tuple(pids)
         for rng in range(len(cur)):                   # pages of another tenant are scrubbed first
             self._pages.scrub_pages(slot, rng, (index,), self._tenant[slot])
         self._keys.bind(key, cur, (slot, index))
         self._counters.keys_bound += 1
         return True
+
+    def _move_out(self, slot: int, index: int, cur: tuple[int, ...], end: int) -> bool:
+        """Move the cached block in page-set ``cur`` (at ``index`` of ``slot``) into a loose
+        page-set mapped in an idle slot, so this position keeps its pages for a new block: one
+        device copy on the current stream (ordered after every kernel queued so far, before
+        every later one), no VMM call. False if ``cur`` is mapped elsewhere too or no loose
+        page-set is at hand (the caller then maps new pages here)."""
+        refs = self._pool.refs
+        if any(refs[p] != 2 for p in cur):            # shared with another region: leave it
+            return False
+        dst = self._loose_set(avoid=(slot, end))
+        if dst is None:
+            return False
+        key = self._keys.key_of[cur[0]]
+        self._copy_set((slot, index), dst)
+        self._keys.drop(key)                          # cur keeps its mapping here (no page freed)
+        self._keys.bind(key, self._pages.at(*dst), dst)
+        self._counters.page_sets_moved += 1
+        return True
+
+    def _loose_set(self, *, avoid: tuple[int, int]) -> tuple[int, int] | None:
+        """A page-set that nothing else holds (no key, no other mapping), mapped in an idle slot
+        or beyond what an active one has bound and ensured (its request reads no row there
+        before binding it); ``avoid = (slot, end)``: not below ``end`` in that slot (the
+        positions the current call binds)."""
+        refs, n, lay = self._pool.refs, self.config.max_slots, self.layout
+        while self._loose:
+            slot, index = self._loose.pop()
+            if slot >= n or (slot == avoid[0] and index < avoid[1]) or slot in self._inflight:
+                continue
+            if self._active[slot] and index < max(int(self._bound_sets[slot]),
+                                                   lay.pages_for(int(self._length[slot]))):
+                continue
+            pids = self._pages.at(slot, index)
+            if pids is not None and all(refs[p] == 1 for p in pids):
+                return slot, index
+        return None
+
+    def _note_loose(self, slot: int, first: int) -> None:
+        """Remember ``slot``'s page-sets from ``first`` up as candidates for :meth:`_loose_set`
+        (checked when taken; the list is pruned when it outgrows the pool)."""
+        self._loose.extend((slot, i) for i in range(first, self._pages.usable(slot)))
+        if len(self._loose) > 4 * self._pool.num_pages:
+            self._loose = [(s, i) for s, i in set(self._loose) if not self._active[s]]
+
+    def _copy_set(self, src: tuple[int, int], dst: tuple[int, int]) -> None:
+        """Copy page-set ``src`` to ``dst`` (``(slot, index)`` each), every range, in one launch."""
+        lay, elems = self.layout, self._elems
+        size = elems.element_size()
+        page, stride = lay.page_bytes // size, lay.range_bytes // size
+
+        def view(slot, index):
+            offset = elems.storage_offset() + lay.page_offset(slot, index) // size
+            return elems.as_strided((lay.num_ranges, page), (stride, 1), offset)
+        if elems.device.type == "cuda":
+            view(*dst).copy_(view(*src))             # one strided copy: one launch
+        else:                                        # the host: one memcpy per range is faster
+            for d, s in zip(view(*dst), view(*src)):
+                d.copy_(s)
 
     def _take_set(self, slot: int, index: int) -> list[int] | None:
         """One free page per range, reclaiming (never from ``slot`` below ``index + 1``)."""
@@ -488,19 +570,26 @@ class VirtualKVCache:
         shortfall is reported only when the pool is truly short (an engine that counts its
         own blocks, like vLLM, must never see a spurious one).
         """
-        while slot in self._inflight:                 # a page we may need is being mapped
-            self._cond.wait()
-        if self._pages.usable(slot) >= num_sets:
-            return True, exhausted
-        while (short := self._pages.missing(slot, num_sets) - self._pool.num_free) > 0:
-            if exhausted or self._reclaim(short, protect) >= short:
-                break
+        while True:
+            self._settle(slot)                        # a page we may need is being mapped
+            if self._pages.usable(slot) >= num_sets:
+                return True, exhausted
+            short = self._pages.missing(slot, num_sets) - self._pool.num_free
+            if short <= 0 or exhausted or self._reclaim(short, protect) >= short:
+                break                                 # (reclaim keeps the lock: nothing moved)
             if not self._inflight:
                 return False, True
-            self._cond.wait()
+            self._cond.wait()                         # the worker may take up this slot again
         if self._pages.missing(slot, num_sets) > self._pool.num_free:
             return False, True
         return self._pages.grow(slot, num_sets, self._tenant[slot], ahead=False), exhausted
+
+    def _settle(self, slot: int) -> None:
+        """Wait until the map-ahead worker is not mapping into ``slot`` (it appends at the top;
+        whoever maps there next must see its pages recorded first). Call before mapping into a
+        slot after anything that may have waited on the condition."""
+        while slot in self._inflight:
+            self._cond.wait()
 
     def reclaim(self, num_pages: int | None = None) -> int:
         """Unmap pages of idle slots (oldest first, fence permitting); returns pages freed."""

@@ -38,6 +38,8 @@ class BlockKeys:
         self.pids: dict[Hashable, tuple[int, ...]] = {}
         #: key -> (slot, page-set index) where its page-set was last mapped for a request
         self.home: dict[Hashable, tuple[int, int]] = {}
+        #: the first page of a bound page-set -> its key
+        self.key_of: dict[int, Hashable] = {}
 
     def __len__(self) -> int:
         return len(self.pids)
@@ -51,12 +53,14 @@ class BlockKeys:
         self.bound[list(pids)] = True
         self.pids[key] = pids
         self.home[key] = home
+        self.key_of[pids[0]] = key
 
     def drop(self, key) -> int:
         """Forget ``key``; its pages lose the key's reference. Returns the pages freed (those no
         slot maps any more)."""
         pids = self.pids.pop(key)
         self.home.pop(key, None)
+        del self.key_of[pids[0]]
         self.bound[list(pids)] = False
         return self.pool.give(pids)
 

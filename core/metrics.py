@@ -61,6 +61,7 @@ class Counters:
     pages_aliased: int = 0            # pages mapped from a bound block key (prefix sharing)
     keys_bound: int = 0               # bind(): fresh page-sets named by an engine block key
     prefix_hits: int = 0              # bind(): page-sets taken from a key (hits), mapped or in place
+    page_sets_moved: int = 0          # bind(): a cached block copied out of a position a new one takes
     warm_hits: int = 0                # acquire() reused a slot with pages mapped
     map_page_us: Histogram = field(default_factory=Histogram)
     unmap_page_us: Histogram = field(default_factory=Histogram)

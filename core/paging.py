@@ -145,66 +145,71 @@ class SlotPages:
             return None
         return tuple(pages[index] for pages in self.mapped[slot])
 
-    def put(self, slot: int, index: int, pids: tuple[int, ...]) -> int:
-        """Map the page-set ``pids`` (already referenced elsewhere: the pages gain one reference
-        each) as page-set ``index`` of ``slot``, replacing what is mapped there; ``index`` is at
-        most the slot's usable page-sets (the region stays contiguous). Nothing is scrubbed: the
-        pages hold content shared with other mappings. The caller has waited for the fence of
-        whatever is replaced. Returns the pages freed by the replacement.
+    def put(self, slot: int, index: int, sets: list[tuple[int, ...]]) -> int:
+        """Map the page-sets ``sets`` (each one pool page per range, already referenced
+        elsewhere: every page gains one reference) as page-sets ``index, index + 1, ...`` of
+        ``slot``, replacing what is mapped there; ``index`` is at most the slot's usable
+        page-sets (the region stays contiguous). One access call per range covers the run.
+        Nothing is scrubbed: the pages hold content shared with other mappings. The caller has
+        waited for the fence of whatever is replaced. Returns the pages freed by the replacement.
 
         Raises
         ------
         DriverError
-            A VMM call failed; the record stays exact (a range either keeps its old page or has
-            the new one) and the call can be retried.
+            A VMM call failed; the record stays exact (a position either keeps its old page or
+            has the new one; access is re-granted on retry) and the call can be retried.
         """
-        if not 0 <= index <= self.usable(slot) or index >= self.layout.pages_per_slot:
-            raise ValueError(f"page-set {index} of slot {slot} is not the next or a mapped one "
-                             f"(usable {self.usable(slot)}, at most {self.layout.pages_per_slot})")
+        end = index + len(sets)
+        if not 0 <= index <= self.usable(slot) or end > self.layout.pages_per_slot:
+            raise ValueError(f"page-sets {index}..{end - 1} of slot {slot} do not start at a mapped or "
+                             f"the next one (usable {self.usable(slot)}, at most {self.layout.pages_per_slot})")
+        freed = 0
         try:
-            return self._put(slot, index, pids)
+            for rng in range(len(self.bases)):
+                freed += self._put_range(slot, rng, index, [pids[rng] for pids in sets])
         finally:
             self.refresh(slot)
+        return freed
 
-    def _put(self, slot: int, index: int, pids: tuple[int, ...]) -> int:
-        freed, page_bytes = 0, self.layout.page_bytes
-        for rng, pid in enumerate(pids):
-            pages, va = self.mapped[slot][rng], self.va(rng, slot, index)
-            if index < len(pages):
-                if pages[index] == pid:         # already there (a retry): access may be missing
-                    self._restore_access(slot, rng)
-                    continue
+    def _put_range(self, slot: int, rng: int, index: int, pids: list[int]) -> int:
+        pages, page_bytes, freed = self.mapped[slot][rng], self.layout.page_bytes, 0
+        prev = self.access[slot][rng]
+        self.access[slot][rng] = min(prev, index)   # until the run is accessible again
+        for i, pid in enumerate(pids, start=index):
+            if i < len(pages) and pages[i] == pid:      # already there (a hit in place, a retry)
+                continue
+            va = self.va(rng, slot, i)
+            if i < len(pages):
                 self.counters.unmap_calls += 1
                 try:
                     self.driver.unmap(va, page_bytes)
                 except DriverError:
                     self.counters.driver_faults += 1
                     raise
-                freed += self.pool.give([pages[index]])
-                prev, self.access[slot][rng] = self.access[slot][rng], index
-                pages[index] = -1               # unmapped: a failure below leaves no stale id
+                freed += self.pool.give([pages[i]])
+                pages[i] = -1                   # unmapped: a failure below leaves no stale id
             self.counters.map_calls += 1
             try:
                 self.driver.map(va, page_bytes, self.pool.handles[pid])
             except DriverError:
                 self.counters.driver_faults += 1
-                if index < len(pages):          # the hole is closed by dropping the tail
-                    self._drop_from(slot, rng, index)
+                if i < len(pages):              # the hole is closed by dropping the tail
+                    self._drop_from(slot, rng, i)
                 raise
-            self.pool.ref([pid])
+            self.pool.refs[pid] += 1            # shared: referenced elsewhere already
             self.counters.pages_aliased += 1
-            if index == len(pages):
+            if i == len(pages):
                 self.add_page(slot, rng, pid)
-                self._restore_access(slot, rng)
-                continue
-            pages[index] = pid
-            self.counters.set_access_calls += 1
-            try:
-                self.driver.set_access(va, page_bytes)
-            except DriverError:
-                self.counters.driver_faults += 1
-                raise
-            self.access[slot][rng] = prev      # the pages above kept their access
+            else:
+                pages[i] = pid
+        self.counters.set_access_calls += 1
+        try:
+            self.driver.set_access(self.va(rng, slot, index), len(pids) * page_bytes)
+        except DriverError:
+            self.counters.driver_faults += 1
+            raise
+        self.access[slot][rng] = max(prev, index + len(pids))
+        self._restore_access(slot, rng)         # mapped but never accessible pages above
         return freed
 
     def _restore_access(self, slot: int, rng: int) -> None:

@@ -24,3 +24,60 @@ def test_host_bench_counts_the_calls_of_a_generation(tmp_path, capsys):
 def test_host_bench_refuses_an_empty_generation(capsys):
     assert main(["bench", "host", "--device", "cpu", "--batch", "0", "--no-report"]) == 2
     assert "argument --batch: expected an int >= 1, got '0'" in capsys.readouterr().err
+
+
+def test_prefix_caching_repeats_hit_their_prompts_and_map_nothing_on_the_critical_path(tmp_path):
+    """Generations of the same prompts with vLLM's prefix caching: from the second on, each request
+    hits its own cached prompt in the slot it ran in, and every new block takes a cached block's
+    position by one device copy, not by VMM calls (the guard for the repeated-generation cost)."""
+    out = tmp_path / "prefix.json"
+    rc = main(["bench", "host", "--device", "cpu", "--prefix-caching", "--batch", "8", "--prompt", "300",
+               "--new", "400", "--generations", "2", "--json", str(out), "--no-report"])
+    assert rc == 0
+    gens = [g["calls"] for g in json.loads(out.read_text())["generations"]]
+    assert len(gens) == 3 and gens[0]["prefix_hits"] == 0 and gens[0]["keys_bound"] == 8 * 6
+    for g in gens[1:]:
+        assert g["prefix_hits"] == 8 * 2                       # (300 - 1) // 128 whole blocks each
+        assert g["map_calls"] == g["unmap_calls"] == 0 and g["page_sets_moved"] > 0
+
+
+def test_prefix_caching_shared_prompt_maps_it_into_every_request(tmp_path):
+    out = tmp_path / "shared.json"
+    assert main(["bench", "host", "--device", "cpu", "--prefix-caching", "--workload", "shared-prefix",
+                 "--shared", "512", "--batch", "4", "--prompt", "700", "--new", "50", "--generations", "1",
+                 "--json", str(out), "--no-report"]) == 0
+    first = json.loads(out.read_text())["generations"][0]["calls"]
+    # 3 of 4 requests hit the 4 shared blocks (the first one fills them): 12 page-sets aliased
+    assert first["prefix_hits"] == 12 and first["pages_aliased"] == 12 * 8
+    assert main(["bench", "host", "--device", "cpu", "--prefix-caching", "--workload", "shared-prefix",
+                 "--shared", "700", "--prompt", "700", "--no-report"]) == 2
+
+
+def test_the_block_pool_evicts_least_recently_freed_and_hits_whole_blocks():
+    from vattn.bench.prefix_pool import PrefixBlockPool
+    pool = PrefixBlockPool(num_blocks=6, block_size=2)              # blocks 1..5 (0 is null)
+    a, hits = pool.admit([1, 2, 3, 4, 5])
+    assert (a, hits) == ([1, 2, 3], 0)
+    pool.finish(a)                                                  # freed 3, 2, 1: still cached
+    b, hits = pool.admit([1, 2, 3, 4, 9])
+    assert (b, hits) == ([1, 2, 4], 2)                              # [1,2] [3,4] hit; never-used 4
+    assert pool.admit([7, 7, 7]) == ([5, 3], 0)                     # then the least recently freed
+    small = PrefixBlockPool(num_blocks=3, block_size=2)
+    x, _ = small.admit([1, 2, 3])
+    small.finish(x)
+    assert small.admit([1, 2, 3]) == ([1, 2], 1)                    # at most len - 1 tokens hit
+    small.finish([1, 2])
+    y, _ = small.admit([5, 6, 7])                                   # takes 2, then 1: [1,2] evicted
+    small.finish(y)
+    assert small.admit([1, 2, 3])[1] == 0
+
+
+def test_prefix_caching_multi_turn_hits_the_whole_conversation_in_place(tmp_path):
+    out = tmp_path / "turns.json"
+    assert main(["bench", "host", "--device", "cpu", "--prefix-caching", "--workload", "multi-turn",
+                 "--batch", "4", "--prompt", "300", "--new", "100", "--user", "50", "--generations", "2",
+                 "--json", str(out), "--no-report"]) == 0
+    gens = [g["calls"] for g in json.loads(out.read_text())["generations"]]
+    # turn 2: 450 tokens, the 3 full blocks of the first 400 hit; turn 3: 600 tokens, 4 blocks hit
+    assert [g["prefix_hits"] for g in gens] == [0, 4 * 3, 4 * 4]
+    assert all(g["map_calls"] == 0 for g in gens[1:])           # each conversation in its own slot

@@ -191,14 +191,18 @@ def test_prefix_caching_follows_the_adapters_refusal(tmp_path, monkeypatch):
 
 def test_prefix_caching_probe_on_the_cpu_hook(monkeypatch):
     from vattn.adapters.vllm import kv_hooks
-    assert serve_engines.vattn_refuses_prefix_caching("vllm", "cpu") == \
-        ("prefix caching" in open(kv_hooks.__file__).read())
-
-    def accepting(original):
-        return lambda self, *a, **k: original(self, *a, **k)
-
-    monkeypatch.setattr(kv_hooks, "_wrap_init_kv", accepting)
+    # the CPU hook shares prefix-cache blocks (tests/adapters/vllm/test_cpu_sharing.py)
     assert not serve_engines.vattn_refuses_prefix_caching("vllm", "cpu")
+
+    def refusing(original):
+        def initialize_kv_cache(self, *a, **k):
+            if self.vllm_config.cache_config.enable_prefix_caching:
+                raise ConfigError("vattn does not support vLLM prefix caching")
+            return original(self, *a, **k)
+        return initialize_kv_cache
+
+    monkeypatch.setattr(kv_hooks, "_wrap_init_kv", refusing)
+    assert serve_engines.vattn_refuses_prefix_caching("vllm", "cpu")
 
 
 def test_sglang_vattn_mode_mirrors_engine_run(tmp_path):
@@ -316,14 +320,7 @@ def test_server_without_health_times_out_and_is_killed(tmp_path):
 
 
 # -- the command's refusals: one line, exit status 2 ------------------------------------------------
-def refused(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err + out
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
+from tests.test_cli_errors import refused  # noqa: E402  (one line, exit status 2)
 
 
 BASE = ("bench", "serve", "--engine", "vllm", "--out")

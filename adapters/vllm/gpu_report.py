@@ -59,8 +59,12 @@ def vmm_summary(m: dict) -> dict:
             "on_blocks_total_ms": total_ms(m.get("on_blocks_us")),
             "pages_mapped_on_demand": m.get("pages_mapped_on_demand"),
             "pages_prewarmed": m.get("prewarmed_pages"), "slot_mapping": m.get("slot_mapping"),
-            "unmap_calls": m.get("unmap_calls"),
+            "unmap_calls": m.get("unmap_calls"), "map_calls": m.get("map_calls"),
+            "set_access_calls": m.get("set_access_calls"),
             "fence_waits": m.get("fence_waits"), "warm_hits": m.get("warm_hits"),
+            "prefix_hits": m.get("prefix_hits"), "pages_aliased": m.get("pages_aliased"),
+            "keys_bound": m.get("keys_bound"), "page_sets_moved": m.get("page_sets_moved"),
+            "keys_held": m.get("keys_held"),
             "pool_init_s": m.get("init_s"), "layout": m.get("layout")}
 
 

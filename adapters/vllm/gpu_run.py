@@ -53,7 +53,11 @@ __all__ = ["WORKLOADS", "LLAMA3_8B", "IDENTITY_MODEL", "waste_per_request", "mai
 
 #: name -> (num prompts, prompt length, new tokens, max_num_seqs) — the issue's workloads
 WORKLOADS = {"decode-heavy": (256, 512, 512, 256), "prefill-heavy": (32, 16384, 64, 32),
-             "long-context": (8, 65536, 64, 8), "shared-prefix": (128, 4096 + 256, 128, 128)}
+             "long-context": (8, 65536, 64, 8), "shared-prefix": (128, 4096 + 256, 128, 128),
+             "multi-turn": (128, 1024, 256, 128)}
+#: ``multi-turn``: each round is the next turn of 128 conversations (paired stage): the last
+#: prompt + the engine's own reply + ``MULTI_TURN_USER`` new user tokens
+MULTI_TURN_USER = 256
 #: ``shared-prefix``: every prompt is one 4,096-token system prompt + 256 tokens of its own
 SHARED_PREFIX = 4096
 LLAMA3_8B = dict(PRESETS["llama3-8b-shape"], max_position_embeddings=131072)
@@ -219,6 +223,7 @@ def stage_paired(args) -> dict:
     runner = VllmRunner(device="cuda", max_num_seqs=seqs, modes=tuple(modes), tag=f"paired-{args.workload}",
                         log_dir=os.path.join(args.out, "logs"),
                         engine_args=dict(load_format="dummy", **_sizing(),
+                                         **({"turn_tokens": MULTI_TURN_USER} if args.workload == "multi-turn" else {}),
                                          gpu_memory_utilization=float(os.environ.get("VATTN_PAIR_MEM", 0.44))))
     report = {"workload": args.workload, "model_preset": _shape()[0], "shape": [num, plen, new, seqs], "errors": {}, "ok": False,
               "rows": {}, "sizing": os.environ.get("VATTN_SIZING", "defaults")}
@@ -229,6 +234,8 @@ def stage_paired(args) -> dict:
         median = summary["median_s"][mode]
         report["rows"][mode] = {
             "seconds": median, "seconds_each": res["seconds_each"], "init_s": res.get("init_s"),
+            "cached_tokens_each": res.get("cached_tokens_each"),
+            "prompt_tokens_each": res.get("prompt_tokens_each"),
             "ratio": round(summary["median_s"][modes[0]] / median, 4),
             "total_tok_s": round(num * (plen + new) / median, 2),
             **_memory_columns(mode, res.get("vattn_metrics"), plen, new)}

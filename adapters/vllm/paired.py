@@ -9,7 +9,10 @@ each pair of generations is measured under the same conditions and a trend cance
 Engine side: ``python -m vattn.adapters.vllm.paired SPEC DIR`` builds the engine of a
 :mod:`.worker` spec, warms it up and writes ``DIR/ready.json``; then for each line ``gen N`` on
 its stdin it times one generation of the batch into ``DIR/result.N.json``; ``stop`` writes
-``DIR/final.json`` (the last tokens, the vattn metrics) and exits.
+``DIR/final.json`` (the last tokens, the vattn metrics) and exits. With ``turn_tokens`` in the
+spec each generation is the next turn of a conversation: the next prompt is the last one, the
+engine's own reply and ``turn_tokens`` new user tokens (:func:`user_turn`), so every turn after
+the first hits the conversation so far in the prefix cache.
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ from vattn.core.errors import ConfigError, VattnError
 
 from .conformance import _first_traceback, _kill_group
 
-__all__ = ["run_paired", "paired_summary", "serve"]
+__all__ = ["run_paired", "paired_summary", "serve", "user_turn"]
+
+
+def user_turn(request: int, turn: int, n: int, vocab_size: int) -> list[int]:
+    """The ``n`` user tokens of ``request``'s turn ``turn`` (seeded: the same for every engine)."""
+    import random
+    rng = random.Random(request * 1_000_003 + turn)
+    return [rng.randrange(1, vocab_size) for _ in range(n)]
 
 
 def _write(path: str, value) -> None:
@@ -48,14 +58,21 @@ def serve(spec: dict, folder: str, commands=None) -> None:
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)
     _write(os.path.join(folder, "ready.json"), {"init_s": round(time.perf_counter() - start, 2)})
-    outs = []
+    outs, turn = [], spec.get("turn_tokens")
     for line in commands if commands is not None else sys.stdin:
         word, _, n = line.strip().partition(" ")
         if word == "gen":
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             _write(os.path.join(folder, f"result.{int(n)}.json"),
-                   {"seconds": time.perf_counter() - t0})
+                   {"seconds": time.perf_counter() - t0, "prompt_tokens": sum(
+                       len(p["prompt_token_ids"]) for p in prompts),
+                    "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs)})
+            if turn:                                 # the conversation goes on
+                vocab = llm.llm_engine.model_config.get_vocab_size()
+                prompts = [{"prompt_token_ids": p["prompt_token_ids"] + list(o.outputs[0].token_ids)
+                            + user_turn(i, int(n), turn, vocab)}
+                           for i, (p, o) in enumerate(zip(prompts, outs))]
         elif word == "stop":
             break
     _write(os.path.join(folder, "final.json"), {
@@ -131,12 +148,15 @@ def run_paired(runner, modes, model_dir: str, prompts, max_new_tokens: int, *, r
                 folder = os.path.join(tmp, mode.replace("/", "_"))
                 os.makedirs(folder)
                 engines[mode] = _Engine(runner, spec, folder)
-                out[mode] = dict(engines[mode].wait_for("ready.json", start_timeout_s), seconds_each=[])
+                out[mode] = dict(engines[mode].wait_for("ready.json", start_timeout_s), seconds_each=[],
+                                 cached_tokens_each=[], prompt_tokens_each=[])
             for r in range(rounds):
                 for mode in (modes if r % 2 == 0 else modes[::-1]):
                     engines[mode].send(f"gen {r}")
-                    took = engines[mode].wait_for(f"result.{r}.json", run_timeout_s)["seconds"]
-                    out[mode]["seconds_each"].append(round(took, 4))
+                    got = engines[mode].wait_for(f"result.{r}.json", run_timeout_s)
+                    out[mode]["seconds_each"].append(round(got["seconds"], 4))
+                    out[mode]["cached_tokens_each"].append(got.get("cached_tokens"))   # prefix-cache hits
+                    out[mode]["prompt_tokens_each"].append(got.get("prompt_tokens"))
             for mode, engine in engines.items():
                 engine.send("stop")
                 out[mode] |= engine.wait_for("final.json", run_timeout_s)

@@ -26,16 +26,19 @@ def engine_kwargs(spec: dict) -> dict:
     who only turns vattn on would. On GPU: ``stock`` is ``FLASH_ATTN`` with 16-token blocks, ``ceiling`` the same kernel with one
     ``max_model_len`` block per request (``num_gpu_blocks_override = max_num_seqs + 1``, block 0
     being vLLM's null block), ``vattn`` the ``CUSTOM`` backend with the block size it prefers
-    (tokens per page-set; ``vattn_block_size`` in the spec forces one).
+    (tokens per page-set; ``vattn_block_size`` in the spec forces one). On CPU ``block_size`` in
+    the spec sets vLLM's block size in every mode.
     """
     mode, gpu = spec["mode"], spec["device"].startswith("cuda")
     max_len, max_seqs = spec["max_model_len"], spec["max_num_seqs"]
     kw = dict(model=spec["model_dir"], skip_tokenizer_init=True, dtype=spec["dtype"], seed=0,
               enforce_eager=spec.get("enforce_eager", not gpu), load_format=spec.get("load_format", "auto"))
-    # prefix caching: off unless the spec says (vattn's CPU path refuses it); "default" leaves
-    # it to vLLM (on), as a user who only turns vattn on would run
+    # prefix caching: off unless the spec says; "default" leaves it to vLLM (on), as a user who
+    # only turns vattn on would run
     if spec.get("prefix_caching", False) != "default":
         kw["enable_prefix_caching"] = bool(spec.get("prefix_caching", False))
+    if not gpu and spec.get("block_size"):   # CPU: both modes (vLLM's CPU default is 128)
+        kw["block_size"] = spec["block_size"]
     if spec.get("sizing") != "defaults":    # else vLLM's own: the model's length, its batch sizes
         kw.update(max_model_len=max_len, max_num_seqs=max_seqs,
                   max_num_batched_tokens=spec.get("max_num_batched_tokens", max(max_len, 2048)))
@@ -97,6 +100,8 @@ def generate(spec: dict) -> dict:
                 extra={"mode": spec["mode"], "vattn": os.environ.get("VATTN_VLLM") == "1",
                        "init_s": round(init_s, 2), "num_gpu_blocks": blocks,
                        "seconds_each": [round(t, 4) for t in times],
+                       # per request, the prompt tokens vLLM's prefix cache served (None: not reported)
+                       "num_cached_tokens": [o.num_cached_tokens for o in outs],
                        "engine_kwargs": {k: v for k, v in engine_kwargs(spec).items() if k != "model"},
                        "vattn_metrics": _metrics(llm)})
 

@@ -181,3 +181,21 @@ def test_a_driver_fault_while_aliasing_leaves_an_exact_record(method):
         cache.audit()
     finally:
         cache.close()
+
+
+def test_a_new_block_where_a_cached_one_sits_moves_it_by_one_copy_not_by_remapping(cache):
+    cache.prewarm(T)                                   # loose page-sets mapped in idle slots
+    a = cache.acquire()
+    cache.bind(a, 0, ["m0", "m1"])
+    fill(cache, a, 0, 2 * T, 8)
+    cache.release(a)
+    b = cache.acquire(prefer="m0")                     # back in its slot: m0 in place
+    assert b == a
+    maps, unmaps = cache.metrics()["map_calls"], cache.metrics()["unmap_calls"]
+    cache.bind(b, 0, ["m0", "n1"], hits=1)             # n1 is fresh where m1 sits
+    m = cache.metrics()
+    assert m["page_sets_moved"] == 1 and m["map_calls"] == maps and m["unmap_calls"] == unmaps
+    fill(cache, b, T, 2 * T, 1)
+    c = cache.acquire()
+    cache.bind(c, 0, ["m0", "m1"], hits=2)             # m1's content moved, still readable
+    assert same(cache, c, 0, T, 8) and same(cache, c, T, 2 * T, 8) and same(cache, b, T, 2 * T, 1)

@@ -37,6 +37,7 @@ class SharingMachine(RuleBasedStateMachine):
         self.cache = make_cache(num_layers=1, group_size=1, split_kv=True, num_kv_heads=1,
                                 head_dim=PAGE // 256, page_bytes=PAGE, page_budget=2 * SETS * PAGE,
                                 max_context=6 * T, max_slots=SLOTS, map_ahead_tokens=T)
+        self.cache.prewarm(T)          # as the engines do: loose page-sets mapped in idle slots
         k, v = self.cache.k(0).view(torch.int16), self.cache.v(0).view(torch.int16)
         self.kv = k.as_strided((2, *k.shape), (v.storage_offset() - k.storage_offset(), *k.stride())).numpy()
         self.blocks = SETS - 1
@@ -49,7 +50,7 @@ class SharingMachine(RuleBasedStateMachine):
 
     def teardown(self):
         m = self.cache.metrics()
-        for name in ("prefix_hits", "pages_aliased", "keys_bound", "fence_waits"):
+        for name in ("prefix_hits", "pages_aliased", "keys_bound", "fence_waits", "page_sets_moved"):
             SharingMachine.totals[name] = SharingMachine.totals.get(name, 0) + m[name]
         SharingMachine.totals["evicting"] = SharingMachine.totals.get("evicting", 0) + (not self.never_used)
         self.kv = None
@@ -167,3 +168,4 @@ def test_sharing_state_machine():
     t = SharingMachine.totals
     # the run exercised what it is about: hits mapped from other slots, and block reuse
     assert t["prefix_hits"] > 100 and t["pages_aliased"] > 100 and t["evicting"] > 10, t
+    assert t["page_sets_moved"] > 10, t

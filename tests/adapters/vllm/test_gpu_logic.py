@@ -170,7 +170,7 @@ def test_runner_sets_each_modes_environment(monkeypatch, mode, vattn, exact):
 
 def test_waste_per_request_columns():
     from vattn.adapters.vllm.gpu_run import WORKLOADS, waste_per_request
-    assert set(WORKLOADS) == {"decode-heavy", "prefill-heavy", "long-context", "shared-prefix"}
+    assert set(WORKLOADS) == {"decode-heavy", "prefill-heavy", "long-context", "shared-prefix", "multi-turn"}
     assert WORKLOADS["shared-prefix"] == (128, 4096 + 256, 128, 128)
     assert WORKLOADS["decode-heavy"] == (256, 512, 512, 256)
     assert waste_per_request("stock", max_model_len=1024, shortest=513, metrics=None) == 15 * 128 * 1024

@@ -1,0 +1,89 @@
+"""vLLM's block pool with automatic prefix caching, in miniature, to drive vattn's runtime on CPU.
+
+Faithful to what decides vattn's work: blocks ``1 .. num_blocks - 1`` (block 0 is vLLM's null
+block); a free queue in least-recently-freed order; a full block is cached under the hash of its
+tokens chained to its parent's; a new request hits the longest cached run of its full blocks
+(at most ``len(prompt) - 1`` tokens, as vLLM computes at least one token); a block taken from
+the free queue loses its cached content (eviction); a finished request frees its blocks last
+block first, so its tail is evicted first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+__all__ = ["PrefixBlockPool"]
+
+
+class PrefixBlockPool:
+    """Blocks, their hashes and the free queue of one engine.
+
+    Parameters
+    ----------
+    num_blocks : int
+        vLLM's ``num_gpu_blocks`` (the null block included).
+    block_size : int
+        Tokens per block.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.hash_of: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+        self.refs: dict[int, int] = {}
+        self.hit_blocks = self.new_blocks = 0
+
+    def _hashes(self, tokens: list[int]) -> list[int]:
+        out, parent, bs = [], 0, self.block_size
+        for i in range(len(tokens) // bs):
+            parent = hash((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            out.append(parent)
+        return out
+
+    def _take(self) -> int:
+        if not self.free:
+            raise RuntimeError("the block pool is exhausted")
+        block, _ = self.free.popitem(last=False)
+        h = self.hash_of.pop(block, None)
+        if h is not None and self.cached.get(h) == block:
+            del self.cached[h]                   # evicted: its content is gone
+        self.refs[block] = 1
+        self.new_blocks += 1
+        return block
+
+    def admit(self, tokens: list[int]) -> tuple[list[int], int]:
+        """Blocks for a new request's prompt and how many of them are prefix-cache hits."""
+        hashes = self._hashes(tokens)
+        hits = []
+        for h in hashes[:(len(tokens) - 1) // self.block_size]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        for block in hits:
+            if self.refs.get(block, 0) == 0:
+                del self.free[block]
+            self.refs[block] = self.refs.get(block, 0) + 1
+        self.hit_blocks += len(hits)
+        blocks = hits + [self._take() for _ in range(-(-len(tokens) // self.block_size) - len(hits))]
+        self.cache_full(blocks, tokens)
+        return blocks, len(hits)
+
+    def grow(self) -> int:
+        """One more block for a running request."""
+        return self._take()
+
+    def cache_full(self, blocks: list[int], tokens: list[int]) -> None:
+        """Cache the request's full blocks (those not cached yet) under their hashes."""
+        for block, h in zip(blocks, self._hashes(tokens)):
+            if block not in self.hash_of:
+                self.hash_of[block] = h
+                self.cached.setdefault(h, block)
+
+    def finish(self, blocks: list[int]) -> None:
+        """Free a finished request's blocks, last first (cached content stays until reused)."""
+        for block in reversed(blocks):
+            self.refs[block] -= 1
+            if not self.refs[block]:
+                self.free[block] = None
