@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 __all__ = ["positive_int", "non_negative_int", "positive_float", "non_negative_float", "int_list",
-           "name_list", "name_list_or_ints", "cases", "device"]
+           "name_list", "name_list_or_ints", "cases", "device", "int_at_least", "name_path"]
 
 
 def _number(text: str, kind: type, what: str, ok) -> int | float:
@@ -49,6 +49,15 @@ def positive_float(text: str) -> float:
 def non_negative_float(text: str) -> float:
     """A finite float ``>= 0``."""
     return _number(text, float, "a number >= 0", lambda v: 0 <= v < float("inf"))
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """A type accepting an int ``>= low``."""
+    def parse(text: str) -> int:
+        return _number(text, int, f"an int >= {low}", lambda v: v >= low)
+
+    parse.__name__ = f"int_at_least_{low}"
+    return parse
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -86,6 +95,26 @@ def _names(allowed: tuple[str, ...], *, ints: bool) -> Callable[[str], tuple[str
         return names
 
     parse.__name__ = "name_list"
+    return parse
+
+
+def name_path(choices) -> Callable[[str], tuple[str, str]]:
+    """A type accepting ``NAME=PATH``: ``NAME`` from ``choices``, ``PATH`` an executable file
+    (e.g. ``vllm=.venvs/vllm/bin/python``) -> ``(NAME, PATH)``."""
+    allowed = tuple(choices)
+
+    def parse(text: str) -> tuple[str, str]:
+        import os
+        name, sep, path = text.partition("=")
+        if not sep or name not in allowed or not path:
+            raise argparse.ArgumentTypeError(f"expected NAME=PATH with NAME one of {', '.join(allowed)} "
+                                             f"(e.g. {allowed[0]}=.venvs/{allowed[0]}/bin/python), got {text!r}")
+        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+            raise argparse.ArgumentTypeError(f"expected {name}=PATH of an executable Python, got {text!r} "
+                                             f"({path!r} is not an executable file)")
+        return name, path
+
+    parse.__name__ = "name_path"
     return parse
 
 

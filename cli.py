@@ -1,4 +1,5 @@
-"""The ``vattn`` command: ``info``, ``bench {vmm,attention,layout,host,engine,serve}``, ``conformance``.
+"""The ``vattn`` command: ``info``, ``bench {vmm,attention,layout,host,engine,serve}``, ``conformance``,
+``compare``.
 
 A bad input ends the command with one line on stderr (what was expected, what was given, what
 to do) and exit status 2: a flag argparse refuses (:class:`UsageError`), a typed error of
@@ -23,6 +24,7 @@ USAGE_ERROR = 2
 _COMMANDS = {
     "info": ("vattn.bench.info", "GPU, driver, VMM granularity and the backends found"),
     "conformance": ("vattn.conformance.cli", "token identity and throughput vs an engine's paged path"),
+    "compare": ("vattn.conformance.compare", "every engine, stock vs vattn, alternated rounds: one table + plot"),
 }
 _BENCHES = {
     "vmm": ("vattn.bench.vmm", "VMM call latency, map throughput, ensure() critical-path time"),

@@ -25,8 +25,18 @@ from .report import write_report
 from .throughput import run_modes, summarize
 from .workloads import WORKLOADS, make_workload
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "add_scale_options", "run"]
 
+
+
+def add_scale_options(parser) -> None:
+    """``--size``, ``--device`` and ``--dtype``: shared by ``vattn conformance`` and ``vattn compare``."""
+    parser.add_argument("--size", choices=("cpu", "gpu"), default=None,
+                        help="workload scale (default: gpu on CUDA with an 8B-shaped model, else cpu)")
+    parser.add_argument("--device", type=argtypes.device, default=None,
+                        help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="float32 (CPU default) or bfloat16 (CUDA default)")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=sorted(ENGINES), default="transformers")
@@ -42,12 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", choices=("file", "instantiate"), default=None,
                         help="file: write model.safetensors; instantiate: draw the seeded weights on the "
                              "device at load (default for transformers on CUDA: no multi-GB file)")
-    parser.add_argument("--size", choices=("cpu", "gpu"), default=None,
-                        help="workload scale (default: gpu on CUDA with an 8B-shaped model, else cpu)")
-    parser.add_argument("--device", type=argtypes.device, default=None,
-                        help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="float32 (CPU default) or bfloat16 (CUDA default)")
+    add_scale_options(parser)
     parser.add_argument("--seed", type=argtypes.non_negative_int, default=0)
     parser.add_argument("--repeats", type=argtypes.positive_int, default=1,
                         help="throughput runs per mode (fastest kept)")

@@ -61,13 +61,14 @@ class TransformersRunner:
             outputs = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
                                            progress_bar=False, warmup=False, persistent_manager=True)
             by_index = _order(outputs, prompts)
+            metrics = _vattn_metrics(model)
             model.destroy_cached_continuous_batching_manager()
         else:
-            by_index = _generate_arrivals(model, prompts, arrival_times, gen, cb)
+            by_index, metrics = _generate_arrivals(model, prompts, arrival_times, gen, cb)
         _sync(device)
         seconds = time.perf_counter() - start
         return _result(by_index, prompts, seconds, logprobs > 0, extra={"mode": mode,
-                       "attn_implementation": model.config._attn_implementation})
+                       "attn_implementation": model.config._attn_implementation, "vattn_metrics": metrics})
 
     def _load(self, mode: str, model_dir: str, device: str, dtype: str, *, prompts, max_new_tokens: int):
         from transformers import AutoModelForCausalLM
@@ -145,8 +146,9 @@ def _order(outputs: dict, prompts: list[list[int]]) -> list:
     return ordered
 
 
-def _generate_arrivals(model, prompts, arrival_times, gen, cb) -> list:
-    """Submit prompt ``i`` at ``arrival_times[i]`` seconds through the manager API."""
+def _generate_arrivals(model, prompts, arrival_times, gen, cb) -> tuple[list, dict | None]:
+    """Submit prompt ``i`` at ``arrival_times[i]`` seconds through the manager API; return the
+    outputs by prompt index and the vattn metrics (``None`` on the stock path)."""
     if len(arrival_times) != len(prompts):
         raise ConfigError(f"arrival_times must have {len(prompts)} entries, got {len(arrival_times)}")
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
@@ -165,10 +167,24 @@ def _generate_arrivals(model, prompts, arrival_times, gen, cb) -> list:
                 raise ConfigError(f"no result within 60 s ({len(results)}/{len(prompts)} done)")
             if out.is_finished():
                 results[out.request_id] = out
+        metrics = _vattn_metrics(model, manager)
     finally:
         manager.stop(block=True)
         model.destroy_cached_continuous_batching_manager()
-    return _order(results, prompts)
+    return _order(results, prompts), metrics
+
+
+def _vattn_metrics(model, manager=None) -> dict | None:
+    """The vattn cache's metrics plus its layout row (``worst_waste_bytes``) of the model's
+    continuous batching manager; ``None`` on the stock path."""
+    manager = manager or getattr(model, "_cached_continuous_batching_manager", None)
+    cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
+    if getattr(cache, "vattn", None) is None:
+        return None
+    from vattn.core.layout import cache_layout_row
+    from vattn.core.metrics import jsonable
+    found = cache.vattn_metrics() | {"layout": cache_layout_row(cache.vattn.config, cache.vattn.layout.page_bytes)}
+    return jsonable(found)
 
 
 def _result(outputs, prompts, seconds: float, with_logprobs: bool, *, extra: dict) -> RunResult:
