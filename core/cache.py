@@ -105,6 +105,7 @@ class VirtualKVCache:
         self._length = np.zeros(n, dtype=np.int64)
         self._bound_sets = np.zeros(n, dtype=np.int64)   # page-sets bind() gave the current request
         self._loose: list[tuple[int, int]] = []           # candidates for _loose_set()
+        self._mixed: set[int] = set()    # slots that may map pages tagged with another tenant
         self._fence: list = [None] * n
         self._released_at = np.zeros(n, dtype=np.int64)
         self._clock = 0
@@ -210,8 +211,9 @@ class VirtualKVCache:
                 self._counters.warm_hits += 1
                 # a slot's pages all carry its last tenant (tagged when mapped or retagged); the
                 # same tenant again needs no pass over them unless every reuse is scrubbed
-                if self.config.scrub == "always" or previous is not tenant:
+                if self.config.scrub == "always" or previous is not tenant or slot in self._mixed:
                     self._pages.retag(slot, tenant)
+            self._mixed.discard(slot)
             return slot
 
     def _home_slot(self, key) -> int | None:
@@ -452,6 +454,7 @@ class VirtualKVCache:
         if self._pages.usable(slot) > start + first:  # something is replaced: the last reader is done
             self._wait_fence(slot)
         self._pages.put(slot, start + first, sets[first:])
+        self._mixed.add(slot)                          # the shared pages carry their writer's tag
         home = self._keys.home
         for index, key in enumerate(keys[first:], start=start + first):
             home[key] = (slot, index)                  # the latest mapping: where a request runs next
@@ -499,6 +502,10 @@ class VirtualKVCache:
             return False
         key = self._keys.key_of[cur[0]]
         self._copy_set((slot, index), dst)
+        tags = self._pool.tenant
+        for src_page, dst_page in zip(cur, self._pages.at(*dst)):
+            tags[dst_page] = tags[src_page]           # the content's tenant moves with it
+        self._mixed.add(dst[0])
         self._keys.drop(key)                          # cur keeps its mapping here (no page freed)
         self._keys.bind(key, self._pages.at(*dst), dst)
         self._counters.page_sets_moved += 1

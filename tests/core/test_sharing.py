@@ -199,3 +199,25 @@ def test_a_new_block_where_a_cached_one_sits_moves_it_by_one_copy_not_by_remappi
     c = cache.acquire()
     cache.bind(c, 0, ["m0", "m1"], hits=2)             # m1's content moved, still readable
     assert same(cache, c, 0, T, 8) and same(cache, c, T, 2 * T, 8) and same(cache, b, T, 2 * T, 1)
+
+
+def test_content_moved_into_another_slot_is_scrubbed_before_that_slot_is_handed_out():
+    """A cached block moved (copied) into a loose page-set of another slot carries its tenant
+    with it: once its key is gone, that slot's next request (another tenant) reads zeros."""
+    with make_cache(page_budget=8 * 2 * (64 << 10), max_slots=3) as cache:   # padding + 7 page-sets
+        cache.prewarm(T)                               # one loose page-set in each idle slot
+        a = cache.acquire(tenant="t1")
+        cache.bind(a, 0, ["k0"])
+        fill(cache, a, 0, T, 5)
+        cache.release(a)
+        again = cache.acquire(tenant="t1", prefer="k0")
+        assert again == a
+        cache.bind(a, 0, ["n0"])                       # k0 is moved out, into another slot's page-set
+        assert cache.metrics()["page_sets_moved"] == 1
+        (dst_slot, dst_index) = cache._keys.home["k0"]
+        assert dst_slot != a and same(cache, dst_slot, 0, T, 5)
+        cache.forget(["k0"])                           # the engine evicted k0
+        cache.release(a)
+        slots = [cache.acquire() for _ in range(3)]    # tenant None: the slots' own previous tenant
+        assert dst_slot in slots and same(cache, dst_slot, dst_index * T, (dst_index + 1) * T, 0)
+        cache.audit()
