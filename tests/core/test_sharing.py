@@ -8,6 +8,7 @@ from vattn.core.driver import FaultInjector
 from vattn.core.driver.host import HostDriver
 from vattn.core.errors import InjectedFault
 
+from tests.conftest import devices
 from tests.core._util import make_cache
 
 T = 128   # tokens per page-set of the small cache (64 KiB pages, 512 bytes per token and range)
@@ -183,7 +184,15 @@ def test_a_driver_fault_while_aliasing_leaves_an_exact_record(method):
         cache.close()
 
 
-def test_a_new_block_where_a_cached_one_sits_moves_it_by_one_copy_not_by_remapping(cache):
+@pytest.mark.parametrize("device", devices())
+def test_a_new_block_where_a_cached_one_sits_moves_it_by_one_copy_not_by_remapping(device):
+    over = {} if device == "cpu" else {"max_context": 3 * 4096}   # 2 MiB pages: 4,096 tokens a set
+    with make_cache(device, **over) as cache:
+        _move_by_copy(cache, cache.layout.tokens_for(1))
+        cache.audit()
+
+
+def _move_by_copy(cache, T):
     cache.prewarm(T)                                   # loose page-sets mapped in idle slots
     a = cache.acquire()
     cache.bind(a, 0, ["m0", "m1"])
