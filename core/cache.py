@@ -428,6 +428,40 @@ class VirtualKVCache:
                 self._bound_sets[slot] = max(self._bound_sets[slot], index + 1)
         return True
 
+    def bind_many(self, items) -> list[int]:
+        """:meth:`bind` for the requests of one engine step; ``items`` are ``(slot, start, keys,
+        hits)``. They are bound in their order, except that a hit on a key another item binds
+        fresh waits for that item: an engine may cache a block when it schedules it, so a
+        request admitted in the same step can hit a block another request is given now (the
+        same forward pass writes its KV before attention reads it). Returns the slots that ran
+        short.
+
+        Raises
+        ------
+        SlotError
+            Hits that wait on each other's fresh blocks in a cycle, or any error of :meth:`bind`.
+        """
+        pending = [(slot, start, list(keys), hits) for slot, start, keys, hits in items]
+        failed: list[int] = []
+        while pending:
+            fresh = [set(keys[hits:]) for _, _, keys, hits in pending]
+            everyone = set().union(*fresh)
+            wait = [not everyone.isdisjoint(set(keys[:hits]) - own)
+                    for (_, _, keys, hits), own in zip(pending, fresh)]
+            if all(wait):
+                raise SlotError(f"prefix hits wait on each other's fresh blocks: "
+                                f"{[keys[:hits] for _, _, keys, hits in pending]}")
+            for (slot, start, keys, hits), later in zip(pending, wait):
+                if not later and not self.bind(slot, start, keys, hits=hits):
+                    failed.append(slot)
+            pending = [item for item, later in zip(pending, wait) if later]
+        return failed
+
+    def holds(self, key) -> bool:
+        """Whether a page-set is bound to ``key`` (a hit on it would be honoured)."""
+        with self._cond:
+            return self._keys.get(key) is not None
+
     def forget(self, keys) -> int:
         """The engine evicted these blocks: drop their keys (unknown keys are ignored). Their
         page-sets stay where they are mapped, as plain warm pages. Returns the pages freed."""

@@ -131,11 +131,14 @@ class GpuRuntime:
         """
         start = time.perf_counter()
         if self._binds:
-            for index, (first, ids, hits) in self._binds.items():
-                if not self.cache.bind(self._slot[index], first, ids, hits=hits):
-                    raise VattnError(f"vattn could not map the page-sets of vLLM blocks {ids} "
-                                     f"although vLLM allocated them; capacity: {self.cache.capacity()}")
+            # new requests come before running ones here (vLLM adds them first), but a new one
+            # may hit a block a running one is given this step: bind_many orders them
+            failed = self.cache.bind_many([(self._slot[index], first, ids, hits)
+                                           for index, (first, ids, hits) in self._binds.items()])
             self._binds.clear()
+            if failed:
+                raise VattnError(f"vattn could not map the page-sets of slots {failed} although vLLM "
+                                 f"allocated their blocks; capacity: {self.cache.capacity()}")
         if self._pending:
             indices = list(self._pending)
             slots = np.fromiter((self._slot[i] for i in indices), dtype=np.int64, count=len(indices))

@@ -74,7 +74,6 @@ class VattnRuntime:
         self.rows_per_slot = lay.rows_per_slot
         self._slot_of: dict[str, int] = {}
         self._blocks: dict[str, int] = {}      # req_id -> blocks bound (prefix caching)
-        self._bound_ids: set[int] = set()      # every block id bound so far (prefix caching)
         self._plan: StepPlan | None = None
         self._backend: dict[str, str] = {}
 
@@ -123,49 +122,47 @@ class VattnRuntime:
         """
         if not self.sharing:
             raise VattnError("bind_blocks needs the runtime built with block_size (prefix caching on)")
+        starts = [(req_id, ids, self._hits(req_id, ids, done)) for req_id, ids, done in new]
+        given = {b for req_id, ids in running for b in ids} | {
+            b for _, ids, hits in starts for b in ids[hits:]}
+        for req_id, ids, hits in starts:          # before anything is acquired: nothing to undo
+            lost = [b for b in ids[:hits] if b not in given and not self.cache.holds(b)]
+            if lost:
+                raise VattnError(f"request {req_id!r} hits blocks {lost} that no request received "
+                                 f"(vLLM's block ids and vattn's keys disagree)")
+        items, owners = [], []
         for req_id, ids in running:
             if not ids:
                 continue
             if req_id not in self._slot_of:
                 raise VattnError(f"request {req_id!r} got blocks {ids} but holds no vattn slot")
-            self._bind(req_id, self._blocks[req_id], ids, 0)
-        pending = list(new)
-        while pending:
-            later = [r for r in pending if not self._admit(*r)]
-            if len(later) == len(pending):
-                req_id, ids, done = later[0]
-                hits = ids[:done // self.block_size]
-                raise VattnError(f"request {req_id!r} hits blocks "
-                                 f"{[b for b in hits if b not in self._bound_ids]} that no request "
-                                 f"received (vLLM's block ids and vattn's keys disagree)")
-            pending = later
+            items.append((self._slot_of[req_id], self._blocks[req_id], ids, 0))
+            owners.append(req_id)
+        for req_id, ids, hits in starts:
+            if req_id in self._slot_of:           # re-added without a removal: a new request
+                self.finish([req_id])
+            tokens = min(len(ids) * self.block_size, self.cache.config.max_context)
+            prefer = ids[hits - 1] if hits else None
+            self._slot_of[req_id] = self.cache.acquire(expected_len=tokens, prefer=prefer)
+            self._blocks[req_id] = 0
+            items.append((self._slot_of[req_id], 0, ids, hits))
+            owners.append(req_id)
+        failed = set(self.cache.bind_many(items))   # hits on blocks given this step wait for them
+        for req_id, (slot, start, ids, _) in zip(owners, items):
+            if slot in failed:
+                raise VattnError(f"vattn could not map the page-sets of vLLM blocks {ids} of "
+                                 f"request {req_id!r} although vLLM allocated them; capacity: "
+                                 f"{self.cache.capacity()}")
+            self._blocks[req_id] = start + len(ids)
 
-    def _admit(self, req_id: str, block_ids: list[int], num_computed: int) -> bool:
-        """Acquire a slot for a starting request and bind its blocks; False (nothing done) if a
-        hit names a block not bound yet."""
+    def _hits(self, req_id: str, block_ids: list[int], num_computed: int) -> int:
+        """Whole blocks of a starting request's prefix-cache hit."""
         hits, partial = divmod(num_computed, self.block_size)
         if partial or hits > len(block_ids):
             raise UnsupportedError(f"request {req_id!r}: a prefix-cache hit of {num_computed} tokens "
                                    f"is not {hits} whole blocks of {self.block_size} tokens out of "
                                    f"{len(block_ids)}: vattn shares whole blocks only")
-        if any(b not in self._bound_ids for b in block_ids[:hits]):
-            return False
-        if req_id in self._slot_of:               # re-added without a removal: a new request
-            self.finish([req_id])
-        tokens = min(len(block_ids) * self.block_size, self.cache.config.max_context)
-        prefer = block_ids[hits - 1] if hits else None
-        self._slot_of[req_id] = self.cache.acquire(expected_len=tokens, prefer=prefer)
-        self._blocks[req_id] = 0
-        self._bind(req_id, 0, block_ids, hits)
-        return True
-
-    def _bind(self, req_id: str, start: int, block_ids: list[int], hits: int) -> None:
-        if not self.cache.bind(self._slot_of[req_id], start, block_ids, hits=hits):
-            raise VattnError(f"vattn could not map the page-sets of vLLM blocks {block_ids} of "
-                             f"request {req_id!r} although vLLM allocated them; capacity: "
-                             f"{self.cache.capacity()}")
-        self._blocks[req_id] = start + len(block_ids)
-        self._bound_ids.update(block_ids)
+        return hits
 
     def blocks(self, req_id: str) -> int:
         """Blocks bound to ``req_id``'s slot so far (prefix caching)."""

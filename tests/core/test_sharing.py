@@ -230,3 +230,18 @@ def test_content_moved_into_another_slot_is_scrubbed_before_that_slot_is_handed_
         slots = [cache.acquire() for _ in range(3)]    # tenant None: the slots' own previous tenant
         assert dst_slot in slots and same(cache, dst_slot, dst_index * T, (dst_index + 1) * T, 0)
         cache.audit()
+
+
+def test_bind_many_binds_a_hit_after_the_request_that_gets_its_block_fresh(cache):
+    a, b = cache.acquire(), cache.acquire()
+    cache.bind(a, 0, ["g0"])
+    calls = []
+    bind = cache.bind
+    cache.bind = lambda slot, start, keys, hits=0: calls.append(slot) or bind(slot, start, keys, hits=hits)
+    # b is listed first and hits g1, which a is given fresh in the same step
+    assert cache.bind_many([(b, 0, ["g0", "g1", "h2"], 2), (a, 1, ["g1"], 0)]) == []
+    assert calls == [a, b]
+    assert cache._pages.at(b, 1) == cache._pages.at(a, 1)
+    c, d = cache.acquire(), cache.acquire()
+    with pytest.raises(SlotError, match="wait on each other"):
+        cache.bind_many([(c, 0, ["x", "y"], 1), (d, 0, ["y", "x"], 1)])

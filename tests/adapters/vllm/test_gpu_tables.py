@@ -309,3 +309,20 @@ def test_prefix_caching_never_runs_short_when_vllm_reuses_evicted_blocks():
         assert rt.cache.metrics()["shortfalls"] == 0
     finally:
         rt.close()
+
+
+def test_prefix_caching_a_new_request_hits_a_block_a_running_one_gets_this_step():
+    """vLLM adds new requests before it appends running ones' blocks, and caches a block when it
+    schedules it: the hit must still be bound after the running request's fresh block."""
+    rt, _ = _runtime(prefix_caching=True)
+    try:
+        rt.on_blocks(0, 2, new_request=True, block_ids=[1, 2])
+        rt.apply()
+        rt.on_blocks(1, 4, new_request=True, block_ids=[1, 2, 3, 4], hits=3)   # hits block 3 ...
+        rt.on_blocks(0, 3, new_request=False, block_ids=[3])                    # ... given to 0 now
+        rt.apply()
+        pages = rt.cache._pages
+        assert pages.at(rt.slot(1), 2) == pages.at(rt.slot(0), 2)
+        rt.cache.audit()
+    finally:
+        rt.close()
