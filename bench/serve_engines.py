@@ -9,8 +9,8 @@ Modes
 vLLM (``python -m vllm.entrypoints.openai.api_server``): ``stock`` is the server with its
 defaults; ``vattn`` adds ``VATTN_VLLM=1`` and what the conformance runner's vattn mode sets
 (:func:`vattn.adapters.vllm.worker.engine_kwargs`: ``--attention-backend CUSTOM`` on GPU, nothing
-on the CPU platform), and ``--no-enable-prefix-caching`` while vattn's vLLM path refuses prefix
-caching (:func:`vattn_refuses_prefix_caching`). Both modes get the runner's environment
+on the CPU platform); prefix caching stays vLLM's default (on) in both modes, as vattn serves it
+on both paths. Both modes get the runner's environment
 (:meth:`vattn.adapters.vllm.conformance.VllmRunner.env_for`: the V2 model runner on GPU, a 1 GiB
 KV space on CPU).
 
@@ -35,12 +35,11 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from vattn.core.errors import ConfigError, VattnError
 
 __all__ = ["ENGINES", "MODES", "ServerError", "ServerSpec", "Server", "server_command",
-           "vattn_refuses_prefix_caching", "has_weights", "free_port", "log_tail", "root_cause"]
+           "has_weights", "free_port", "log_tail", "root_cause"]
 
 ENGINES = ("vllm", "sglang")
 MODES = ("stock", "vattn")
@@ -49,10 +48,6 @@ _MODEL_FLAG = {"vllm": "--model", "sglang": "--model-path"}
 #: the SGLang vattn settings (keys of engine_run.engine_kwargs) a server needs as well
 _SGLANG_VATTN_KEYS = ("attention_backend", "page_size", "disable_radix_cache", "disable_prefill_cuda_graph")
 _PREFIX_OFF = {"vllm": "--no-enable-prefix-caching", "sglang": "--disable-radix-cache"}
-
-
-class _Passed(Exception):
-    """The probed hook went on to the engine's own code: it accepted the setting."""
 
 
 class ServerError(VattnError):
@@ -84,44 +79,6 @@ class ServerSpec:
 def has_weights(model_dir: str) -> bool:
     """Whether ``model_dir`` holds weight files (else the engines load it with dummy weights)."""
     return any(name.endswith((".safetensors", ".bin", ".pt")) for name in os.listdir(model_dir))
-
-
-def vattn_refuses_prefix_caching(engine: str, device: str = "cuda") -> bool:
-    """Whether vattn's adapter for ``engine`` on ``device`` refuses prefix caching today (asked of
-    its own config check: vLLM's GPU path ``gpu_layout.check_engine_config``, its CPU path the
-    ``initialize_kv_cache`` hook of ``kv_hooks``, SGLang's ``plugin.check_server_args``), so this
-    follows the adapter when it learns prefix sharing."""
-    if engine == "sglang":
-        from vattn.adapters.sglang.plugin import check_server_args
-        fake = SimpleNamespace(device="cuda", cuda_graph_config=None, disable_radix_cache=False,
-                               page_size=16)
-        check = lambda: check_server_args(fake)  # noqa: E731
-        words = ("radix", "prefix")
-    elif device.startswith("cuda"):
-        from vattn.adapters.vllm.gpu_layout import check_engine_config
-        fake = SimpleNamespace(
-            cache_config=SimpleNamespace(enable_prefix_caching=True), model_config=SimpleNamespace(),
-            parallel_config=SimpleNamespace(), attention_config=SimpleNamespace(backend="CUSTOM"),
-            speculative_config=None, kv_transfer_config=None)
-        check = lambda: check_engine_config(fake)  # noqa: E731
-        words = ("prefix",)
-    else:
-        from vattn.adapters.vllm.kv_hooks import _wrap_init_kv
-
-        def refuse_before_init(self, *args, **kwargs):   # reached only if the hook let it pass
-            raise _Passed()
-
-        fake = SimpleNamespace(vllm_config=SimpleNamespace(
-            cache_config=SimpleNamespace(enable_prefix_caching=True)))
-        check = lambda: _wrap_init_kv(refuse_before_init)(fake)  # noqa: E731
-        words = ("prefix",)
-    try:
-        check()
-    except ConfigError as exc:
-        return any(w in str(exc).lower() for w in words)
-    except Exception:       # a later check tripped over the stand-in: prefix caching passed
-        return False
-    return False
 
 
 def server_command(engine: str, mode: str, model_dir: str, *, port: int, device: str = "cuda",
@@ -167,8 +124,6 @@ def _vllm_mode(mode: str, device: str, model_dir: str) -> tuple[list[str], dict]
         backend = engine_kwargs(spec).get("attention_backend")
         if backend:
             flags += ["--attention-backend", backend]
-        if vattn_refuses_prefix_caching("vllm", device):
-            flags.append(_PREFIX_OFF["vllm"])
     return flags, env
 
 

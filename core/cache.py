@@ -201,8 +201,7 @@ class VirtualKVCache:
             slot = self._home_slot(prefer)
             if slot is None:
                 slot = self._best_fit(idle, need, tenant)
-            while slot in self._inflight:
-                self._cond.wait()
+            self._settle(slot)
             previous = self._tenant[slot]
             self._one_tenant &= tenant is None
             self._active[slot], self._tenant[slot], self._length[slot] = True, tenant, 0
@@ -414,8 +413,7 @@ class VirtualKVCache:
         if len(set(keys)) != len(keys):
             raise SlotError(f"a block key is listed twice in one bind() call: {keys}")
         with self._cond:
-            while slot in self._inflight:             # the worker is appending to this slot
-                self._cond.wait()
+            self._settle(slot)                        # the worker is appending to this slot
             if self._pages.usable(slot) < start and not self._grow(slot, start, {slot: start}, False)[0]:
                 return False
             if hits:
@@ -653,11 +651,9 @@ class VirtualKVCache:
                     if freed >= want:
                         return freed
                     fence = self._fence[slot]
-                    if fence is not None and not fence.done():
-                        if not wait:
-                            continue
-                        self._counters.fence_waits += 1
-                        fence.wait()
+                    if not wait and fence is not None and not fence.done():
+                        continue
+                    self._wait_fence(slot)
                     if only_free:
                         keep = max(keep, self._shared_top(slot))
                     freed += self._trim_for(slot, keep, want - freed)

@@ -97,15 +97,8 @@ class SlotPages:
                 self.counters.pages_mapped_ahead += 1
             else:
                 self.counters.pages_mapped_on_demand += 1
-        first = self.access[slot][rng]
+        first = self._restore_access(slot, rng)
         if first < len(pages):
-            self.counters.set_access_calls += 1
-            try:
-                self.driver.set_access(self.va(rng, slot, first), (len(pages) - first) * page_bytes)
-            except DriverError:
-                self.counters.driver_faults += 1
-                raise
-            self.access[slot][rng] = len(pages)
             self.refresh(slot)
             self.scrub_pages(slot, rng, range(first, len(pages)), tenant)
 
@@ -124,11 +117,7 @@ class SlotPages:
             start = time.perf_counter()
             if pages[-1] >= 0:                  # -1: a hole left by a failed remap, not mapped
                 self.counters.unmap_calls += 1
-                try:
-                    self.driver.unmap(self.va(rng, slot, len(pages) - 1), self.layout.page_bytes)
-                except DriverError:
-                    self.counters.driver_faults += 1
-                    raise
+                self._call("unmap", self.va(rng, slot, len(pages) - 1), self.layout.page_bytes)
                 freed += self.pool.give([pages[-1]])
             pages.pop()
             self.held_n[slot] -= 1
@@ -181,11 +170,7 @@ class SlotPages:
             va = self.va(rng, slot, i)
             if i < len(pages):
                 self.counters.unmap_calls += 1
-                try:
-                    self.driver.unmap(va, page_bytes)
-                except DriverError:
-                    self.counters.driver_faults += 1
-                    raise
+                self._call("unmap", va, page_bytes)
                 freed += self.pool.give([pages[i]])
                 pages[i] = -1                   # unmapped: a failure below leaves no stale id
             self.counters.map_calls += 1
@@ -193,8 +178,8 @@ class SlotPages:
                 self.driver.map(va, page_bytes, self.pool.handles[pid])
             except DriverError:
                 self.counters.driver_faults += 1
-                if i < len(pages):              # the hole is closed by dropping the tail
-                    self._drop_from(slot, rng, i)
+                if i < len(pages):              # the hole (and what is above it) is dropped
+                    self._trim_range(slot, rng, i)
                 raise
             self.pool.refs[pid] += 1            # shared: referenced elsewhere already
             self.counters.pages_aliased += 1
@@ -203,31 +188,28 @@ class SlotPages:
             else:
                 pages[i] = pid
         self.counters.set_access_calls += 1
-        try:
-            self.driver.set_access(self.va(rng, slot, index), len(pids) * page_bytes)
-        except DriverError:
-            self.counters.driver_faults += 1
-            raise
+        self._call("set_access", self.va(rng, slot, index), len(pids) * page_bytes)
         self.access[slot][rng] = max(prev, index + len(pids))
         self._restore_access(slot, rng)         # mapped but never accessible pages above
         return freed
 
-    def _restore_access(self, slot: int, rng: int) -> None:
-        """Make ``slot``'s pages in ``rng`` accessible again up to its first unmapped one."""
+    def _restore_access(self, slot: int, rng: int) -> int:
+        """Grant access to ``slot``'s mapped pages in ``rng`` that lack it (one call); returns
+        the first page that lacked it (``len`` of the range if none did)."""
         pages, first = self.mapped[slot][rng], self.access[slot][rng]
         if first < len(pages):
             self.counters.set_access_calls += 1
-            try:
-                self.driver.set_access(self.va(rng, slot, first), (len(pages) - first) * self.layout.page_bytes)
-            except DriverError:
-                self.counters.driver_faults += 1
-                raise
+            self._call("set_access", self.va(rng, slot, first), (len(pages) - first) * self.layout.page_bytes)
             self.access[slot][rng] = len(pages)
+        return first
 
-    def _drop_from(self, slot: int, rng: int, index: int) -> None:
-        """After a failed remap left a hole at ``index``: unmap the pages above it and drop the
-        hole, so the range is a contiguous stack again."""
-        self._trim_range(slot, rng, index)
+    def _call(self, name: str, *args) -> None:
+        """One driver call; a failure is counted and re-raised (the caller's record stays exact)."""
+        try:
+            getattr(self.driver, name)(*args)
+        except DriverError:
+            self.counters.driver_faults += 1
+            raise
 
     def scrub_pages(self, slot: int, rng: int, indices, tenant) -> None:
         """Zero the listed accessible pages whose tenant differs (policy permitting); tag them."""

@@ -168,41 +168,16 @@ def test_vllm_vattn_mode_adds_backend_on_gpu_only(tmp_path):
     assert vattn.env["VLLM_USE_V2_MODEL_RUNNER"] == "1" and cpu.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
-def test_prefix_caching_follows_the_adapters_refusal(tmp_path, monkeypatch):
-    from vattn.adapters.vllm import gpu_layout
+def test_vllm_vattn_mode_keeps_prefix_caching_and_extra_flags_pass_once(tmp_path):
     model = _config(tmp_path)
-
-    def refuse(cfg):
-        raise ConfigError("vattn does not support vLLM prefix caching yet")
-
-    monkeypatch.setattr(gpu_layout, "check_engine_config", refuse)
-    assert serve_engines.vattn_refuses_prefix_caching("vllm")
+    assert "--no-enable-prefix-caching" not in server_command("vllm", "vattn", model, port=1).argv
     spec = server_command("vllm", "vattn", model, port=1, device="cuda",
                           extra_args=["--no-enable-prefix-caching", "--max-num-seqs", "8"])
     assert spec.argv.count("--no-enable-prefix-caching") == 1 and spec.argv[-2:] == ["--max-num-seqs", "8"]
     stock = server_command("vllm", "stock", model, port=1, device="cuda")
     assert "--no-enable-prefix-caching" not in stock.argv
     same = server_command("vllm", "stock", model, port=1, device="cuda", like_for_like=True)
-    assert "--no-enable-prefix-caching" in same.argv and "--attention-backend" not in same.argv
-    monkeypatch.setattr(gpu_layout, "check_engine_config", lambda cfg: None)
-    assert not serve_engines.vattn_refuses_prefix_caching("vllm")
-    assert "--no-enable-prefix-caching" not in server_command("vllm", "vattn", model, port=1).argv
-
-
-def test_prefix_caching_probe_on_the_cpu_hook(monkeypatch):
-    from vattn.adapters.vllm import kv_hooks
-    # the CPU hook shares prefix-cache blocks (tests/adapters/vllm/test_cpu_sharing.py)
-    assert not serve_engines.vattn_refuses_prefix_caching("vllm", "cpu")
-
-    def refusing(original):
-        def initialize_kv_cache(self, *a, **k):
-            if self.vllm_config.cache_config.enable_prefix_caching:
-                raise ConfigError("vattn does not support vLLM prefix caching")
-            return original(self, *a, **k)
-        return initialize_kv_cache
-
-    monkeypatch.setattr(kv_hooks, "_wrap_init_kv", refusing)
-    assert serve_engines.vattn_refuses_prefix_caching("vllm", "cpu")
+    assert "--attention-backend" not in same.argv
 
 
 def test_sglang_vattn_mode_mirrors_engine_run(tmp_path):

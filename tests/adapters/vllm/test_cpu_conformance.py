@@ -22,7 +22,6 @@ def _prompts(n=7, seed=11):
 
 def test_identity_stock_vs_vattn(tiny_model):
     from vattn.adapters.vllm.conformance import VllmRunner
-    from vattn.conformance.identity import compare
     runner = VllmRunner(device="cpu", max_num_seqs=4)   # 7 prompts > 4 slots: slots are reused
     prompts = _prompts()
     stock = runner.run("stock", tiny_model, prompts, 16)
@@ -30,11 +29,7 @@ def test_identity_stock_vs_vattn(tiny_model):
     assert not stock.extra["vattn"] and vattn.extra["vattn"]
     metrics = vattn.extra["vattn_metrics"]
     assert metrics["pages_mapped"] > 0 and metrics["warm_hits"] > 0, metrics
-    assert len({tuple(t[:4]) for t in stock.token_ids}) > 1, "degenerate model: same opening everywhere"
-    assert all(len(t) == 16 for t in vattn.token_ids)
-    assert vattn.token_ids == stock.token_ids
-    report = compare(stock, vattn, require_exact=True)
-    assert report.ok and report.exact_match_rate == 1.0, report.to_dict()
+    _assert_identical(stock, vattn, 16)
 
 
 BLOCK = 32   # vLLM's block = one vattn page-set: 32 tokens x 1024 bytes (tiny model, fp32, G=1)
@@ -59,7 +54,6 @@ def test_identity_with_prefix_caching_on_both_sides(tiny_model):
     """Stock CPU vLLM with prefix caching vs vattn with prefix caching: vLLM's cache hits are
     served by page-sets mapped into the new request's region (shared, never copied)."""
     from vattn.adapters.vllm.conformance import VllmRunner
-    from vattn.conformance.identity import compare
     runner = VllmRunner(device="cpu", max_num_seqs=4,   # 18 prompts > 4 slots: slots are reused
                         engine_args={"prefix_caching": True, "block_size": BLOCK})
     prompts = _shared_prefix_prompts()
@@ -79,11 +73,7 @@ def test_identity_with_prefix_caching_on_both_sides(tiny_model):
     assert metrics["prefix_hits"] == sum(cached) // BLOCK, (metrics, cached)
     assert metrics["prefix_hits"] > 0 and metrics["pages_aliased"] > 0, metrics
     assert metrics["keys_bound"] > 0 and metrics["warm_hits"] > 0, metrics
-    assert len({tuple(t[:4]) for t in stock.token_ids}) > 1, "degenerate model: same opening everywhere"
-    assert all(len(t) == 12 for t in vattn.token_ids)
-    assert vattn.token_ids == stock.token_ids
-    report = compare(stock, vattn, require_exact=True)
-    assert report.ok and report.exact_match_rate == 1.0, report.to_dict()
+    _assert_identical(stock, vattn, 12)
 
 
 def test_ceiling_mode_refused_on_cpu():
@@ -118,3 +108,13 @@ def test_paired_engine_that_dies_is_a_typed_error(tiny_model, tmp_path):
     with pytest.raises(VattnError, match="stock engine exited"):
         run_paired(runner, ["stock", "vattn"], tiny_model, [[1, 2, 3]], 2, rounds=1, device="cpu",
                    dtype="float32")
+
+
+def _assert_identical(stock, vattn, new: int) -> None:
+    """Not degenerate, every request ran ``new`` tokens, and every token and log-prob equal."""
+    from vattn.conformance.identity import compare
+    assert len({tuple(t[:4]) for t in stock.token_ids}) > 1, "degenerate model: same opening everywhere"
+    assert all(len(t) == new for t in vattn.token_ids)
+    assert vattn.token_ids == stock.token_ids
+    report = compare(stock, vattn, require_exact=True)
+    assert report.ok and report.exact_match_rate == 1.0, report.to_dict()
