@@ -155,9 +155,9 @@ def prepare_model(args) -> str:
     if args.preset is not None:
         if args.preset not in PRESETS:
             raise ConfigError(f"--preset: expected one of {sorted(PRESETS)}, got {args.preset!r}")
-        from vattn.adapters.vllm.gpu_run import _config_only_model
+        from vattn.bench.gpu.workloads import llama_model
         root = args.models or os.path.join(args.out, "models")
-        model = _config_only_model(os.path.abspath(os.path.join(root, args.preset)), PRESETS[args.preset])
+        model = llama_model(os.path.abspath(os.path.join(root, args.preset)), PRESETS[args.preset])
     else:
         model = os.path.abspath(args.model)
         if not os.path.exists(os.path.join(model, "config.json")):

@@ -8,16 +8,17 @@ Modes
 -----
 vLLM (``python -m vllm.entrypoints.openai.api_server``): ``stock`` is the server with its
 defaults; ``vattn`` adds ``VATTN_VLLM=1`` and what the conformance runner's vattn mode sets
-(:func:`vattn.adapters.vllm.worker.engine_kwargs`: ``--attention-backend CUSTOM`` on GPU, nothing
+(:func:`vattn.conformance.workers.vllm.engine_kwargs`: ``--attention-backend CUSTOM`` on GPU, nothing
 on the CPU platform); prefix caching stays vLLM's default (on) in both modes, as vattn serves it
 on both paths. Both modes get the runner's environment
-(:meth:`vattn.adapters.vllm.conformance.VllmRunner.env_for`: the V2 model runner on GPU, a 1 GiB
+(:meth:`vattn.conformance.runners.vllm.VllmRunner.env_for`: the V2 model runner on GPU, a 1 GiB
 KV space on CPU).
 
 SGLang (``python -m sglang.launch_server``): ``stock`` is the server with its defaults
 (``SGLANG_USE_SGL_FA3_KERNEL=1`` in both modes, as the conformance runner has it); ``vattn`` adds
-``VATTN_SGLANG=1`` and the vattn settings of :func:`vattn.adapters.sglang.engine_run.engine_kwargs`
-(``--attention-backend vattn --page-size 16 --disable-radix-cache --disable-prefill-cuda-graph``).
+``VATTN_SGLANG=1`` and the vattn settings of :func:`vattn.conformance.workers.sglang.engine_kwargs`
+(``--attention-backend vattn --disable-prefill-cuda-graph``; the radix cache stays SGLang's default,
+on, in both modes, and the vattn platform sets the page size).
 
 ``like_for_like=True`` gives stock the settings vattn forces too (all but the attention backend):
 the same prefix caching, page size and prefill graphs in both modes. A model directory without
@@ -45,7 +46,7 @@ ENGINES = ("vllm", "sglang")
 MODES = ("stock", "vattn")
 _SERVER_MODULE = {"vllm": "vllm.entrypoints.openai.api_server", "sglang": "sglang.launch_server"}
 _MODEL_FLAG = {"vllm": "--model", "sglang": "--model-path"}
-#: the SGLang vattn settings (keys of engine_run.engine_kwargs) a server needs as well
+#: the SGLang vattn settings (keys of workers.sglang.engine_kwargs) a server needs as well
 _SGLANG_VATTN_KEYS = ("attention_backend", "page_size", "disable_radix_cache", "disable_prefill_cuda_graph")
 _PREFIX_OFF = {"vllm": "--no-enable-prefix-caching", "sglang": "--disable-radix-cache"}
 
@@ -111,8 +112,8 @@ def server_command(engine: str, mode: str, model_dir: str, *, port: int, device:
 
 
 def _vllm_mode(mode: str, device: str, model_dir: str) -> tuple[list[str], dict]:
-    from vattn.adapters.vllm.conformance import VllmRunner
-    from vattn.adapters.vllm.worker import engine_kwargs
+    from vattn.conformance.runners.vllm import VllmRunner
+    from vattn.conformance.workers.vllm import engine_kwargs
     spec = dict(mode=mode, device=device, model_dir=model_dir, dtype="auto", sizing="defaults",
                 max_model_len=None, max_num_seqs=None)
     runner_env = VllmRunner(device=device).env_for(spec)
@@ -128,7 +129,7 @@ def _vllm_mode(mode: str, device: str, model_dir: str) -> tuple[list[str], dict]
 
 
 def _sglang_mode(mode: str, device: str, model_dir: str) -> tuple[list[str], dict]:
-    from vattn.adapters.sglang.engine_run import engine_kwargs
+    from vattn.conformance.workers.sglang import engine_kwargs
     env = {"SGLANG_USE_SGL_FA3_KERNEL": "1", "VATTN_SGLANG": "1" if mode == "vattn" else None}
     flags = []
     if mode == "vattn":

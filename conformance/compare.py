@@ -9,15 +9,29 @@ writes one JSON record per mode under ``--out``. The table is built from those r
 table; runs of different model shapes or workloads are refused. An engine that is not installed
 gets a row saying so. Exit status 0 when an engine ran and none failed or diverged, else 1.
 
+``--shape llama3-8b-shape|llama-1b-shape`` runs the GPU stages' setup (``vattn.bench.gpu``): a
+config-only model of that shape (vLLM and SGLang load it with dummy weights, transformers draws
+seeded weights on the GPU: no weight file), the workloads of their table (``--workloads
+decode-heavy,shared-prefix,...``, the same seeded prompts for every engine), and every engine
+with its own defaults (vLLM's and SGLang's sizing, prefix caching, CUDA graphs) plus vattn's
+activation only; ``--engine-option ENGINE:KEY=VALUE`` adds an engine argument to both modes
+(``vllm:max_model_len=32768``, ``sglang:mem_fraction_static=0.8``) and ``--dry-run`` prints what
+each engine would be started with. On CUDA the HBM column divides each run's decode traffic by
+the copy bandwidth measured on that GPU at the start (or ``--hbm-tbps``).
+``VATTN_STAGE_DEADLINE`` (epoch seconds) stops starting rounds that would not end before it.
+
 Example::
 
     vattn compare --engines transformers,vllm --python vllm=.venvs/vllm/bin/python --out runs/cmp
     vattn compare --results runs/cmp runs/cmp-gpu --out runs/merged
+    vattn compare --shape llama-1b-shape --engines vllm --python vllm=PY --dry-run
+    bash tools/gpu/compare.sh   # on a GPU: every engine in its own Python, one table (its header)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -28,6 +42,7 @@ import torch
 from vattn import argtypes
 from vattn.core.errors import ConfigError, UnsupportedError
 
+from . import compare_gpu
 from .cli import add_scale_options
 from .compare_records import clear_engine_records, load_records, merge, write_record
 from .compare_table import markdown, plot, table_rows
@@ -35,10 +50,11 @@ from .engines import ENGINES, check_engine_installed
 from .models import PRESETS
 from .workloads import WORKLOADS
 
-__all__ = ["add_arguments", "run", "read_records"]
+__all__ = ["add_arguments", "run", "read_records", "probe_gpu"]
 
 _RUN_ONLY = ("engines", "python", "rounds", "engine_option", "model", "layers", "workload",
-             "num_requests", "size", "device", "dtype", "models_dir")
+             "workloads", "shape", "num_requests", "size", "device", "dtype", "models_dir")
+_ALL_WORKLOADS = tuple(dict.fromkeys(WORKLOADS + compare_gpu.WORKLOADS))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,15 +68,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run ENGINE under another Python (repeatable), e.g. vllm=.venvs/vllm/bin/python")
     parser.add_argument("--rounds", type=argtypes.int_at_least(3), default=None,
                         help="alternated rounds per engine and workload, stock then vattn each (default 3)")
+    parser.add_argument("--shape", choices=tuple(compare_gpu.SHAPES), default=None,
+                        help="the GPU setup: this model shape (config only; dummy weights in vLLM and "
+                             "SGLang, seeded weights drawn on the GPU in transformers), the GPU stages' "
+                             "workloads (--workloads), every engine with its own defaults plus vattn's "
+                             "activation; default device cuda, bfloat16")
     parser.add_argument("--model", default=None,
                         help=f"a preset ({', '.join(PRESETS)}) or a model directory; default tiny "
-                             "(llama3-8b-shape with --size gpu)")
+                             "(llama3-8b-shape with --size gpu); not with --shape")
     parser.add_argument("--layers", type=argtypes.positive_int, default=None,
-                        help="override the preset's num_hidden_layers")
+                        help="override the preset's (or the shape's) num_hidden_layers")
+    parser.add_argument("--workloads", type=argtypes.name_list(_ALL_WORKLOADS), default=None,
+                        help=f"comma-separated, in order; with --shape: {', '.join(compare_gpu.WORKLOADS)} "
+                             f"(the GPU stages' table); else: {', '.join(WORKLOADS)}; default decode-heavy")
     parser.add_argument("--workload", action="append", choices=WORKLOADS, default=None,
-                        help="repeatable; default: decode-heavy")
+                        help="repeatable, one workload of the CPU / conformance table (as --workloads "
+                             "without --shape)")
     parser.add_argument("--num-requests", type=argtypes.positive_int, default=None,
-                        help="override the number of prompts of every workload")
+                        help="override the number of prompts of every workload (with --shape: the "
+                             "first N of the seeded prompts)")
     add_scale_options(parser)
     parser.add_argument("--seed", type=argtypes.non_negative_int, default=0,
                         help="seed of the weights and the prompts")
@@ -69,9 +95,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-gap", type=argtypes.non_negative_float, default=0.1,
                         help="near-tie log-prob gap (nats) of the identity verdict")
     parser.add_argument("--hbm-tbps", type=argtypes.positive_float, default=None,
-                        help="measured HBM copy bandwidth (TB/s) for the decode-heavy HBM share (GPU)")
+                        help="HBM copy bandwidth (TB/s) for the decode-heavy HBM share (GPU); default: "
+                             "measured on the GPU before the engines run (vattn.bench.paged_baselines."
+                             "hbm_copy_tbps), or the records' own measurement with --results")
     parser.add_argument("--engine-option", action="append", default=None, metavar="ENGINE:KEY=VALUE",
-                        help="runner option of one engine (JSON value), e.g. vllm:max_num_seqs=64")
+                        help="repeatable, JSON value. With --shape: an argument of the engine itself, "
+                             "added to both modes (vLLM's LLM(...), e.g. vllm:max_model_len=32768; "
+                             "SGLang's sglang.Engine(...), e.g. sglang:mem_fraction_static=0.8; "
+                             "transformers / tgi: their runner's options, e.g. "
+                             "transformers:max_batch_tokens=8192). Without: an option of the engine's "
+                             "conformance runner, e.g. vllm:max_num_seqs=64")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print what each engine would be started with (per mode: its arguments "
+                             "and the environment it changes) as JSON; start nothing")
     parser.add_argument("--models-dir", default=None, help="where random models are built (default: temp)")
     parser.add_argument("--out", default=os.path.join("reports", "compare"),
                         help="records (run_*.json, status_*.json), compare.md and compare.png go here; "
@@ -92,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     """
     if args.results:
         given = [f"--{k.replace('_', '-')}" for k in _RUN_ONLY if getattr(args, k, None) is not None]
+        given += ["--dry-run"] if getattr(args, "dry_run", False) else []
         if given:
             raise ConfigError(f"--results merges saved records and runs nothing: expected no run "
                               f"option with it, got {', '.join(given)}")
@@ -104,16 +141,149 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--python names {extra}, which --engines ({','.join(engines)}) leaves out")
     options = _engine_options(args.engine_option or [], engines)
     spec = _base_spec(args)
+    key = "engine_args" if spec.get("shape") else "runner_options"
+    if spec.get("shape"):
+        for engine in engines:
+            compare_gpu.check_engine_args(engine, options.get(engine, {}))
+    if args.dry_run:
+        print(json.dumps(_dry_run(spec, engines, options, pythons), indent=1, default=str))
+        return 0
+    if spec["device"].startswith("cuda"):
+        spec.update(probe_gpu(measure=args.hbm_tbps is None))
+        if args.hbm_tbps is not None:
+            spec.update(hbm_copy_tbps=args.hbm_tbps, hbm_copy_source="given: --hbm-tbps")
     paths = []
-    for engine in engines:
-        clear_engine_records(args.out, engine)
-        paths += _run_engine(dict(spec, engine=engine, runner_options=options.get(engine, {})),
-                             pythons.get(engine))
+    with _sigterm_raises():
+        for engine in engines:
+            clear_engine_records(args.out, engine)
+            paths += _run_engine(dict(spec, engine=engine, **{key: options.get(engine, {})}),
+                                 pythons.get(engine))
     merged = merge(read_records(paths))
     return _render(merged, args, engines=engines)
 
 
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM (``timeout``) raises ``SystemExit`` while engines run, so the worker in flight is
+    stopped in order (it keeps its finished rounds) instead of left behind."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+_PROBE = """
+import json, torch
+found = {"gpu": torch.cuda.get_device_name()}
+if MEASURE:
+    from vattn.bench.paged_baselines import hbm_copy_tbps
+    found["hbm_copy_tbps"] = round(hbm_copy_tbps("cuda"), 3)
+    found["hbm_copy_source"] = "measured: 4 GiB device-to-device copy"
+print(json.dumps(found))
+"""
+
+
+def probe_gpu(*, measure: bool = True, python: str | None = None, timeout_s: float = 180) -> dict:
+    """The GPU's name and (``measure``) its copy bandwidth, from a process of its own: this one
+    (and every engine's worker) must hold no CUDA context, since the engines size their KV
+    cache from free memory. ``{}`` (with a line saying why) when the probe fails."""
+    try:
+        proc = subprocess.run([python or sys.executable, "-c", _PROBE.replace("MEASURE", str(bool(measure)))],
+                              capture_output=True, text=True, timeout=timeout_s)
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError, OSError) as exc:
+        tail = locals().get("proc")
+        print(f"[compare] GPU probe failed ({type(exc).__name__}): "
+              f"{(tail.stderr[-500:] if tail is not None else '')}", flush=True)
+        return {}
+    if "hbm_copy_tbps" in found:
+        print(f"[compare] {found['gpu']}: copy bandwidth {found['hbm_copy_tbps']} TB/s", flush=True)
+    return found
+
+
+def _dry_run(spec: dict, engines: list[str], options: dict, pythons: dict) -> dict:
+    """What ``vattn compare`` would start, per engine and mode (:func:`compare_gpu.describe`), for
+    the first workload's prompts; nothing is built or started."""
+    from .compare_worker import PAIR
+    name = spec["workloads"][0]
+    if spec.get("shape"):
+        fields = compare_gpu.shape_fields(spec)
+        wl = compare_gpu.workload(name, vocab_size=fields["vocab_size"], seed=spec["seed"],
+                                  num=spec.get("num_requests"))
+        model = compare_gpu.model_dir(spec)
+    else:
+        from .models import _fields
+        from .workloads import make_workload
+        fields = _fields(spec["model"]) if spec["model"] in PRESETS else None
+        if fields is None:
+            from .models import model_shape
+            shape = model_shape(spec["model"])
+            vocab, max_pos = shape.vocab_size, shape.max_position
+        else:
+            vocab, max_pos = fields["vocab_size"], fields["max_position_embeddings"]
+        wl = make_workload(name, size=spec["size"], vocab_size=vocab, seed=spec["seed"],
+                           max_context=max_pos, num=spec.get("num_requests"))
+        model = spec["model"]
+    lens = [len(p) for p in wl.prompts]
+    out = {"model": model, "model_label": spec["model_label"], "device": spec["device"], "dtype": spec["dtype"],
+           "workload": {"name": name, "prompts": len(lens), "prompt_len": [min(lens), max(lens)],
+                        "max_new_tokens": wl.max_new_tokens},
+           "rounds": spec["rounds"], "engines": {}}
+    for engine in engines:
+        espec = dict(spec, engine_args=options.get(engine, {}))
+        if spec.get("shape"):
+            opts = compare_gpu.runner_options(engine, espec)
+        else:
+            opts = dict(options.get(engine, {}))
+            if engine in ("vllm", "sglang"):
+                opts.setdefault("modes", PAIR)
+            if engine == "vllm":
+                opts.setdefault("device", spec["device"])
+        found = compare_gpu.describe(engine, opts, model=model, prompts=wl.prompts,
+                                     max_new_tokens=wl.max_new_tokens, device=spec["device"],
+                                     dtype=spec["dtype"], logprobs=spec["logprobs"])
+        out["engines"][engine] = {"python": pythons.get(engine, sys.executable),
+                                  "weights": compare_gpu.weights(engine, espec),
+                                  **found}
+    return out
+
+
+def _workload_names(args, table: tuple[str, ...], flag: str) -> list[str]:
+    if args.workloads is not None and args.workload is not None:
+        raise ConfigError("--workloads and --workload name the same thing: expected one of them")
+    names = list(dict.fromkeys(args.workloads or args.workload or ["decode-heavy"]))
+    bad = [n for n in names if n not in table]
+    if bad:
+        raise ConfigError(f"--workloads {flag}: expected names from {', '.join(table)}, got {bad}")
+    return names
+
+
+def _shape_spec(args) -> dict:
+    given = [f"--{k}" for k in ("model", "size", "workload") if getattr(args, k, None) is not None]
+    if given:
+        raise ConfigError(f"--shape picks the model and the workload table: expected no {', '.join(given)} "
+                          "with it (--workloads names its workloads)")
+    label = args.shape + ("" if args.layers is None else f" ({args.layers} layers)")
+    return {"out_dir": os.path.abspath(args.out), "shape": args.shape, "model": args.shape, "model_label": label,
+            "layers": args.layers, "models_dir": args.models_dir and os.path.abspath(args.models_dir),
+            "device": args.device or "cuda", "dtype": args.dtype or "bfloat16", "size": "gpu-stages",
+            "seed": args.seed, "workloads": _workload_names(args, compare_gpu.WORKLOADS, "with --shape"),
+            "num_requests": args.num_requests, "rounds": args.rounds or 3, "logprobs": args.logprobs}
+
+
 def _base_spec(args) -> dict:
+    if args.shape:
+        return _shape_spec(args)
+    workloads = _workload_names(args, WORKLOADS, "without --shape")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     preset = args.model or ("llama3-8b-shape" if args.size == "gpu" else "tiny")
@@ -127,7 +297,7 @@ def _base_spec(args) -> dict:
     return {"out_dir": os.path.abspath(args.out), "model": os.path.abspath(preset) if os.path.isdir(preset)
             else preset, "model_label": label, "layers": args.layers,
             "models_dir": args.models_dir and os.path.abspath(args.models_dir), "device": device,
-            "dtype": dtype, "size": size, "seed": args.seed, "workloads": args.workload or ["decode-heavy"],
+            "dtype": dtype, "size": size, "seed": args.seed, "workloads": workloads,
             "num_requests": args.num_requests, "rounds": args.rounds or 3, "logprobs": args.logprobs}
 
 
@@ -188,9 +358,13 @@ def _tee(cmd: list[str], log_path: str) -> tuple[str, int]:
                 if line.startswith('{"records":'):
                     last = line.strip()
             proc.wait()
-        except BaseException:
-            proc.kill()
-            proc.wait()
+        except BaseException:   # SIGTERM (see run) or Ctrl-C: the worker keeps its finished rounds
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
             raise
     sys.stdout.flush()
     return last, proc.returncode

@@ -17,14 +17,14 @@ from .protocol import EngineRunner
 __all__ = ["ENGINES", "ENGINE_MODULES", "load_runner", "available_engines", "check_engine_installed"]
 
 ENGINES: dict[str, str] = {
-    "transformers": "vattn.adapters.transformers.conformance:TransformersRunner",
-    "vllm": "vattn.adapters.vllm.conformance:VllmRunner",
-    "sglang": "vattn.adapters.sglang.conformance:SglangRunner",
-    "tgi": "vattn.adapters.tgi.conformance:TgiRunner",
+    "transformers": "vattn.conformance.runners.transformers:TransformersRunner",
+    "vllm": "vattn.conformance.runners.vllm:VllmRunner",
+    "sglang": "vattn.conformance.runners.sglang:SglangRunner",
+    "tgi": "vattn.conformance.runners.tgi:TgiRunner",
 }
 
 #: engine -> (the module its runs import in this Python, how to install it). The vLLM, SGLang
-#: and TGI runners start the engine in a child process of this interpreter, so the adapter
+#: and TGI runners start the engine in a child process of this interpreter, so the runner
 #: module imports without the engine; this is checked before anything is built or started.
 ENGINE_MODULES: dict[str, tuple[str, str]] = {
     "transformers": ("transformers", "pip install 'vattn[transformers]'"),

@@ -57,7 +57,7 @@ class Counters:
     pages_scrubbed: int = 0
     shortfalls: int = 0               # slots ensure() could not grow (preemption-worthy)
     driver_faults: int = 0
-    fence_waits: int = 0              # reclaim had to block on a fence
+    fence_waits: int = 0              # reclaim or bind had to block on a fence
     pages_aliased: int = 0            # pages mapped from a bound block key (prefix sharing)
     keys_bound: int = 0               # bind(): fresh page-sets named by an engine block key
     prefix_hits: int = 0              # bind(): page-sets taken from a key (hits), mapped or in place

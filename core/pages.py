@@ -13,9 +13,22 @@ import numpy as np
 
 from .errors import ConfigError, DriverError
 
-__all__ = ["PagePool", "FRESH"]
+__all__ = ["PagePool", "FRESH", "budget_pages"]
 
 FRESH = object()  # tenant tag of a page that was never handed to anyone
+
+
+def budget_pages(driver, budget: int | float, page_bytes: int, num_ranges: int) -> int:
+    """Pages of ``page_bytes`` a ``page_budget`` gives (a float: that fraction of the driver's
+    free memory); ``ConfigError`` below the padding slot's page-set plus one more."""
+    if isinstance(budget, float):
+        budget = int(driver.free_memory() * budget)
+    need = 2 * num_ranges
+    pages = budget // page_bytes
+    if pages < need:
+        raise ConfigError(f"page_budget of {budget} bytes gives {pages} pages of {page_bytes} bytes; at "
+                          f"least {need} are needed (padding slot plus one page-set)")
+    return pages
 
 
 class PagePool:

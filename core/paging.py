@@ -1,5 +1,9 @@
 """Mapping physical pages into slot regions: grow, trim and scrub, one slot at a time.
 
+Every map of a pool page into a slot region goes through here: :meth:`SlotPages.grow` (under
+the cache lock), :meth:`SlotPages.put` (prefix sharing), and the map-ahead worker's
+:class:`PendingSet` (driver calls without the lock, recorded under it).
+
 Not thread-safe on its own: :class:`~vattn.core.cache.VirtualKVCache` serialises access.
 Bookkeeping is per range, so a driver failure part way leaves an exact record of what is
 mapped (pages that were mapped stay owned by the slot; the page whose call failed goes back
@@ -9,6 +13,7 @@ to the pool) and a later call simply continues.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,7 +23,23 @@ from .layout import KVLayout
 from .metrics import Counters
 from .pages import PagePool
 
-__all__ = ["SlotPages"]
+__all__ = ["SlotPages", "PendingSet"]
+
+
+@dataclass(slots=True)
+class PendingSet:
+    """One page-set the map-ahead worker maps at the top of a slot: planned under the cache
+    lock (:meth:`SlotPages.pending`), mapped without it (:meth:`SlotPages.map_pending`: the
+    slot is in flight, nothing else maps there), recorded under it (:meth:`SlotPages.commit`)."""
+
+    slot: int
+    index: int          # page-set index inside the slot region, the same in every range
+    pids: list[int]     # one pool page per range
+    zero: list[bool]    # whether each page must be scrubbed first
+    tenant: object
+    done: int = 0       # ranges mapped so far
+    accessible: bool = False
+    error: DriverError | None = None
 
 
 class SlotPages:
@@ -30,7 +51,8 @@ class SlotPages:
         self.bases, self.counters = bases, counters
         n = layout.num_va_slots
         self.mapped: list[list[list[int]]] = [[[] for _ in bases] for _ in range(n)]
-        self.access: list[list[int]] = [[0] * len(bases) for _ in range(n)]
+        #: per slot and range, how many pages from the bottom are accessible (mapped + access granted)
+        self.num_accessible: list[list[int]] = [[0] * len(bases) for _ in range(n)]
         self.cap_tokens = np.zeros(n, dtype=np.int64)   # tokens backed by usable page-sets
         self.held_n = np.zeros(n, dtype=np.int64)       # pool pages per slot (== held(slot))
         self.usable_n = np.zeros(n, dtype=np.int64)     # == usable(slot), for vectorised queries
@@ -38,12 +60,12 @@ class SlotPages:
 
     def refresh(self, slot: int) -> None:
         """Recompute ``cap_tokens[slot]`` / ``usable_n[slot]`` after its pages changed."""
-        self.usable_n[slot] = min(self.access[slot])
+        self.usable_n[slot] = min(self.num_accessible[slot])
         self.cap_tokens[slot] = self.layout.tokens_for(int(self.usable_n[slot]))
 
     def usable(self, slot: int) -> int:
         """Page-sets of ``slot`` that are mapped and accessible in every range."""
-        return min(self.access[slot])
+        return min(self.num_accessible[slot])
 
     def held(self, slot: int) -> int:
         """Pool pages ``slot`` holds (mapped, accessible or not)."""
@@ -58,8 +80,25 @@ class SlotPages:
         """Pool pages still to map so ``slot`` has ``num_sets`` page-sets in every range."""
         return sum(max(0, num_sets - len(pages)) for pages in self.mapped[slot])
 
+    @property
+    def num_ranges(self) -> int:
+        return len(self.bases)
+
+    def mapped_evenly(self, slot: int) -> bool:
+        """Whether every range of ``slot`` maps exactly its usable page-sets (none left half
+        mapped or without access by a failed call)."""
+        have = self.usable(slot)
+        return all(len(pages) == have for pages in self.mapped[slot])
+
     def va(self, rng: int, slot: int, page: int) -> int:
         return self.bases[rng] + self.layout.page_offset(slot, page)
+
+    def _map(self, rng: int, slot: int, page: int, pid: int) -> None:
+        """Map pool page ``pid`` as page ``page`` of ``slot`` in ``rng`` (one timed driver call;
+        no record touched)."""
+        start = time.perf_counter()
+        self.driver.map(self.va(rng, slot, page), self.layout.page_bytes, self.pool.handles[pid])
+        self.counters.map_page_us.observe((time.perf_counter() - start) * 1e6)
 
     def grow(self, slot: int, num_sets: int, tenant, *, ahead: bool) -> bool:
         """Map page-sets until ``slot`` has ``num_sets`` usable ones; False if the pool is short.
@@ -80,19 +119,17 @@ class SlotPages:
         return True
 
     def _grow_range(self, slot: int, rng: int, num_sets: int, tenant, *, ahead: bool) -> None:
-        pages, page_bytes = self.mapped[slot][rng], self.layout.page_bytes
+        pages = self.mapped[slot][rng]
         while len(pages) < num_sets:
             (pid,) = self.pool.take(1)
-            start = time.perf_counter()
             try:
                 self.counters.map_calls += 1
-                self.driver.map(self.va(rng, slot, len(pages)), page_bytes, self.pool.handles[pid])
+                self._map(rng, slot, len(pages), pid)
             except DriverError:
                 self.pool.give([pid])
                 self.counters.driver_faults += 1
                 raise
             self.add_page(slot, rng, pid)
-            self.counters.map_page_us.observe((time.perf_counter() - start) * 1e6)
             if ahead:
                 self.counters.pages_mapped_ahead += 1
             else:
@@ -121,7 +158,7 @@ class SlotPages:
                 freed += self.pool.give([pages[-1]])
             pages.pop()
             self.held_n[slot] -= 1
-            self.access[slot][rng] = min(self.access[slot][rng], len(pages))
+            self.num_accessible[slot][rng] = min(self.num_accessible[slot][rng], len(pages))
             self.refresh(slot)
             self.counters.unmap_page_us.observe((time.perf_counter() - start) * 1e6)
         return freed
@@ -162,8 +199,8 @@ class SlotPages:
 
     def _put_range(self, slot: int, rng: int, index: int, pids: list[int]) -> int:
         pages, page_bytes, freed = self.mapped[slot][rng], self.layout.page_bytes, 0
-        prev = self.access[slot][rng]
-        self.access[slot][rng] = min(prev, index)   # until the run is accessible again
+        prev = self.num_accessible[slot][rng]
+        self.num_accessible[slot][rng] = min(prev, index)   # until the run is accessible again
         for i, pid in enumerate(pids, start=index):
             if i < len(pages) and pages[i] == pid:      # already there (a hit in place, a retry)
                 continue
@@ -189,18 +226,18 @@ class SlotPages:
                 pages[i] = pid
         self.counters.set_access_calls += 1
         self._call("set_access", self.va(rng, slot, index), len(pids) * page_bytes)
-        self.access[slot][rng] = max(prev, index + len(pids))
+        self.num_accessible[slot][rng] = max(prev, index + len(pids))
         self._restore_access(slot, rng)         # mapped but never accessible pages above
         return freed
 
     def _restore_access(self, slot: int, rng: int) -> int:
         """Grant access to ``slot``'s mapped pages in ``rng`` that lack it (one call); returns
         the first page that lacked it (``len`` of the range if none did)."""
-        pages, first = self.mapped[slot][rng], self.access[slot][rng]
+        pages, first = self.mapped[slot][rng], self.num_accessible[slot][rng]
         if first < len(pages):
             self.counters.set_access_calls += 1
             self._call("set_access", self.va(rng, slot, first), (len(pages) - first) * self.layout.page_bytes)
-            self.access[slot][rng] = len(pages)
+            self.num_accessible[slot][rng] = len(pages)
         return first
 
     def _call(self, name: str, *args) -> None:
@@ -211,15 +248,19 @@ class SlotPages:
             self.counters.driver_faults += 1
             raise
 
+    def needs_scrub(self, pid: int, tenant) -> bool:
+        """Whether pool page ``pid`` is zeroed before ``tenant`` gets it (the scrub policy)."""
+        policy, tag = self.cfg.scrub, self.pool.tenant[pid]
+        return policy == "always" or (policy == "tenant" and tag is not tenant and tag != tenant)
+
     def scrub_pages(self, slot: int, rng: int, indices, tenant) -> None:
         """Zero the listed accessible pages whose tenant differs (policy permitting); tag them."""
-        policy, pages = self.cfg.scrub, self.mapped[slot][rng]
+        pages = self.mapped[slot][rng]
         for i in indices:
             pid = pages[i]
             if self.bound[pid]:                 # shared content: never scrubbed, never retagged
                 continue
-            if policy == "always" or (policy == "tenant" and self.pool.tenant[pid] is not tenant
-                                      and self.pool.tenant[pid] != tenant):
+            if self.needs_scrub(pid, tenant):
                 self.driver.zero(self.va(rng, slot, i), self.layout.page_bytes)
                 self.counters.pages_scrubbed += 1
             self.pool.tenant[pid] = tenant
@@ -227,4 +268,50 @@ class SlotPages:
     def retag(self, slot: int, tenant) -> None:
         """Hand every accessible page of ``slot`` to ``tenant`` (scrubbing per policy)."""
         for rng in range(len(self.bases)):
-            self.scrub_pages(slot, rng, range(self.access[slot][rng]), tenant)
+            self.scrub_pages(slot, rng, range(self.num_accessible[slot][rng]), tenant)
+
+    # -- the map-ahead worker's page-set: planned and recorded under the lock, mapped without it --
+    def pending(self, slot: int, pids: list[int], tenant) -> PendingSet:
+        """The next page-set of ``slot`` (evenly mapped) from ``pids``, one pool page per range."""
+        zero = [self.needs_scrub(pid, tenant) for pid in pids]
+        return PendingSet(slot, self.usable(slot), pids, zero, tenant)
+
+    def map_pending(self, p: PendingSet) -> None:
+        """The driver calls of ``p``: map every range, grant access, scrub, wait for the scrub.
+        Touches no record (safe without the cache lock); a failure is kept in ``p.error``."""
+        nbytes = self.layout.page_bytes
+        try:
+            for rng, pid in enumerate(p.pids):
+                self._map(rng, p.slot, p.index, pid)
+                p.done += 1
+            for rng in range(len(p.pids)):
+                self.driver.set_access(self.va(rng, p.slot, p.index), nbytes)
+            p.accessible = True
+            if any(p.zero):
+                for rng, zero in enumerate(p.zero):
+                    if zero:
+                        self.driver.zero(self.va(rng, p.slot, p.index), nbytes)
+                self.driver.record_fence().wait()   # scrub lands before anyone reads
+        except DriverError as exc:
+            p.error = exc
+
+    def commit(self, p: PendingSet) -> bool:
+        """Record what :meth:`map_pending` did: the mapped pages join the slot (accessible and
+        tagged if access was granted), the others go back to the pool. False if a call failed."""
+        counters = self.counters
+        counters.map_calls += p.done
+        counters.set_access_calls += len(p.pids) if p.accessible else 0
+        counters.pages_mapped_ahead += p.done
+        counters.pages_scrubbed += sum(p.zero) if p.accessible else 0
+        if p.error is not None:
+            counters.driver_faults += 1
+        for rng, pid in enumerate(p.pids):
+            if rng < p.done:
+                self.add_page(p.slot, rng, pid)
+                if p.accessible:
+                    self.num_accessible[p.slot][rng] += 1
+                    self.pool.tenant[pid] = p.tenant
+            else:
+                self.pool.give([pid])
+        self.refresh(p.slot)
+        return p.error is None

@@ -107,7 +107,7 @@ def test_bad_results_folder_is_a_typed_error(tmp_path):
 
 
 def test_engines_of_a_mode_pooled_and_used_by_the_table(tmp_path):
-    from vattn.adapters.vllm.gpu_report import pool_engines
+    from vattn.bench.gpu.report import pool_engines
     rows = {"stock": {"seconds": 11.0, "seconds_each": [11.2, 11.0]},
             "vattn": {"seconds": 10.9, "seconds_each": [10.9, 11.1]},
             "ceiling": {"seconds": 10.8, "seconds_each": [10.8, 10.85]},

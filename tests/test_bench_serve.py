@@ -180,18 +180,19 @@ def test_vllm_vattn_mode_keeps_prefix_caching_and_extra_flags_pass_once(tmp_path
     assert "--attention-backend" not in same.argv
 
 
-def test_sglang_vattn_mode_mirrors_engine_run(tmp_path):
+def test_sglang_vattn_mode_mirrors_the_conformance_worker(tmp_path):
     model = _config(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")
     vattn = server_command("sglang", "vattn", model, port=7, device="cuda")
     stock = server_command("sglang", "stock", model, port=7, device="cuda")
     text = " ".join(vattn.argv)
-    assert "--attention-backend vattn --page-size 16 --disable-radix-cache --disable-prefill-cuda-graph" in text
+    assert "--attention-backend vattn --disable-prefill-cuda-graph" in text
+    assert "--disable-radix-cache" not in text and "--page-size" not in text   # SGLang's defaults
     assert vattn.env["VATTN_SGLANG"] == "1" and stock.env["VATTN_SGLANG"] is None
     assert "--load-format" not in vattn.argv and "--page-size" not in stock.argv
     assert vattn.argv[:4] == ["-m", "sglang.launch_server", "--model-path", model]
     like = server_command("sglang", "stock", model, port=7, like_for_like=True)
-    assert "--page-size" in like.argv and "--attention-backend" not in like.argv
+    assert "--disable-prefill-cuda-graph" in like.argv and "--attention-backend" not in like.argv
 
 
 def test_client_commands():

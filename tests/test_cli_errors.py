@@ -107,7 +107,7 @@ def test_vmm_on_cuda_without_cuda_python(capsys, monkeypatch):
 # -- every command with wrong flags: (argv, a fragment of the line) ----------------------------------
 FLAG_CASES = [
     (["frob"], "vattn: error: argument command: invalid choice: 'frob'"),
-    (["bench"], "vattn bench: error: the following arguments are required: {vmm,attention,layout,host,engine,serve}"),
+    (["bench"], "vattn bench: error: the following arguments are required: {vmm,attention,layout,host,engine,serve,faults}"),
     (["info", "--bogus"], "vattn info: error: unrecognized arguments: --bogus (see vattn info --help)"),
     (["bench", "vmm", "--pages", "-5"], "vattn bench vmm: error: argument --pages: expected an int >= 1, got '-5'"),
     (["bench", "vmm", "--batches", "1,x"], "argument --batches: expected a comma-separated list of ints >= 1"),
@@ -132,6 +132,8 @@ FLAG_CASES = [
     (["bench", "layout", "--tolerance", "-1"], "argument --tolerance: expected a number >= 0"),
     (["bench", "host", "--batch", "0"], "vattn bench host: error: argument --batch: expected an int >= 1"),
     (["bench", "host", "--generations", "-2"], "argument --generations: expected an int >= 1"),
+    (["bench", "faults", "--rates", "0.1,2"], "argument --rates: expected comma-separated rates in (0, 1]"),
+    (["bench", "faults", "--faults", "mmap"], "argument --faults: expected a comma-separated list of map,"),
     (["bench", "engine"], "vattn bench engine: error: the following arguments are required: --results"),
     (["bench", "engine", "--results", "no-such-results-dir"],
      "vattn bench engine: ConfigError: --results: expected a folder of stage JSONs"),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: core, ops, conformance and adapters in .venv; then each engine that needs
-# its own environment (VATTN_ENGINES, default "vllm sglang"; set it empty to skip them).
+# The whole test suite: core, ops, conformance, bench and adapters in .venv; then each engine that
+# needs its own environment (VATTN_ENGINES, default "vllm sglang"; set it empty to skip them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
@@ -14,5 +14,7 @@ TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/core tests/adapters/vllm/
 for engine in ${VATTN_ENGINES-vllm sglang}; do
   echo "== $engine tests in their own environment"
   bash "tools/engine_env.sh" "$engine"
-  ".venvs/$engine/bin/python" -m pytest -q "tests/adapters/$engine"
+  # the adapter's tests and the engine's conformance runner and GPU-stage tests
+  ".venvs/$engine/bin/python" -m pytest -q "tests/adapters/$engine" "tests/conformance/$engine" \
+    "tests/bench/$engine"
 done

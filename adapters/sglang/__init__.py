@@ -9,8 +9,12 @@ Pieces, all through SGLang's official extension points:
   ``req_to_token`` shape);
 * :mod:`.plugin` (entry point ``sglang.srt.plugins``): ``--attention-backend vattn``
   (:mod:`.backend`; the CPU op path :mod:`.sdpa` is ``torch_native``'s math);
-* :mod:`.conformance` / :mod:`.engine_run` / :mod:`.gpu_run`: ``sglang.Engine`` stock ``fa3`` vs
-  vattn, one engine process per run (``tools/gpu/sglang.sh``).
+* :mod:`.metrics`: the allocator's counters, written from the scheduler process for benchmarks.
+
+The runs that drive SGLang (``sglang.Engine`` stock ``fa3`` vs vattn, one engine process per
+run) are harness, outside this package: :mod:`vattn.conformance.runners.sglang`,
+:mod:`vattn.conformance.workers.sglang` and :mod:`vattn.bench.gpu.sglang_stages`
+(``tools/gpu/sglang.sh``).
 
 Verified on the CPU (``tests/adapters/sglang``, sglang 0.5.17 ``--no-deps`` + torch 2.13 CPU,
 host VMM backend): SGLang's resolver ``_resolve_platform()`` finds the platform from

@@ -1,10 +1,12 @@
 """``--attention-backend vattn``: SGLang attention over vattn's virtually contiguous KV.
 
-Token ``t`` of a request in vattn slot ``s`` has SGLang index ``s * C + t``, so the batch's slots
-(the one-entry page tables of the kernel) are ``req_to_token[req_pool_indices, 0] // C``: one
-gather of ``B`` values, no per-token ``req_to_token`` gather. Keys are the slot's first
-``seq_lens[b]`` rows. New K/V are written with the pool's own ``set_kv_buffer`` at
-``out_cache_loc``.
+Before each forward the backend hands the batch to the pool's :class:`~.requests.RequestSlots`,
+which gives every request a vattn slot whose region holds, page-set by page-set, the pages SGLang
+allocated to it or matched in its radix tree (one host copy of the batch's request rows, plus a
+gather of the page ids that are new since the last forward). The slots are the one-entry page
+tables of the kernel: keys are the slot's first ``seq_lens[b]`` rows. New K/V are written at rows
+``slot * C + position`` (:meth:`~.pool.VattnMHATokenToKVPool.store`), not at SGLang's
+``out_cache_loc`` (page ids name page-sets; they do not address rows here).
 
 Op backends: ``"sdpa"`` runs SGLang ``torch_native``'s exact SDPA call on the slot rows
 (:mod:`.sdpa`, bit-identical to ``torch_native``; the CPU default); every other name goes to
@@ -25,10 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
-from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-
 from vattn.core import ops
 from vattn.core.errors import ConfigError, UnsupportedError
 
@@ -41,6 +42,7 @@ class VattnMetadata:
     """Per-batch attention inputs (device tensors int32 unless noted).
 
     slots : ``[B]`` vattn slot of each request; seqlens : ``[B]`` keys incl. new tokens;
+    rows : ``[N]`` int64 row of each new token (``slot * C + position``), where the store writes;
     cu_seqlens_q : ``[B + 1]`` query offsets (decode: ``0 .. B``, built once per batch rather than
     by the op in every layer); max_seqlen_q / max_seqlen_k : host ints;
     host : ``(bases, prefix_lens, seq_lens)`` host lists, only for the ``"sdpa"`` op backend.
@@ -51,6 +53,7 @@ class VattnMetadata:
     cu_seqlens_q: torch.Tensor | None
     max_seqlen_q: int
     max_seqlen_k: int
+    rows: torch.Tensor | None = None
     host: tuple | None = None
 
 
@@ -76,7 +79,8 @@ class VattnAttnBackend(AttentionBackend):
         self.pool = pool
         self.cache = pool.vattn_cache
         self.rows_per_slot = pool.rows_per_slot
-        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.requests = pool.requests
+        self.requests.attach(model_runner.req_to_token_pool)
         self.device = model_runner.device
         if op_backend == "auto" and torch.device(self.device).type == "cpu":
             op_backend = "sdpa"
@@ -86,10 +90,30 @@ class VattnAttnBackend(AttentionBackend):
         self._graph_slots: torch.Tensor | None = None     # decode CUDA graphs: persistent inputs
         self._graph_seqlens: torch.Tensor | None = None
         self._graph_cu_q: torch.Tensor | None = None
+        self._graph_rows: torch.Tensor | None = None
 
-    def _slots(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
-        first = self.req_to_token[req_pool_indices.long(), 0].long()
-        return torch.div(first, self.rows_per_slot, rounding_mode="floor").to(torch.int32)
+    def _prepare(self, forward_batch, real: int, extend: bool) -> tuple[list, list, list]:
+        """Map the batch's pages (:meth:`RequestSlots.prepare`); host ``(slots, prefix, seq)``
+        of its first ``real`` requests."""
+        rows = forward_batch.req_pool_indices[:real].tolist()
+        seq = _host_list(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)[:real]
+        if extend:
+            prefix = _host_list(getattr(forward_batch, "extend_prefix_lens_cpu", None),
+                                forward_batch.extend_prefix_lens)[:real]
+        else:
+            prefix = [n - 1 for n in seq]
+        slots = self.requests.prepare(rows, seq, prefix if extend else None)
+        return slots.tolist(), prefix, seq
+
+    def _rows_of(self, slots: list, prefix: list, seq: list) -> torch.Tensor:
+        """Row of every new token: ``slot * C + position`` for positions ``prefix .. seq - 1``."""
+        first = np.asarray(slots, dtype=np.int64) * self.rows_per_slot + np.asarray(prefix, dtype=np.int64)
+        counts = np.asarray(seq, dtype=np.int64) - prefix
+        if (counts == 1).all():
+            rows = first
+        else:
+            rows = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
+        return torch.from_numpy(rows).to(self.device, non_blocking=True)
 
     # -- decode CUDA graphs ------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -100,6 +124,7 @@ class VattnAttnBackend(AttentionBackend):
         self._graph_slots = torch.full((max_bs,), PAD_SLOT, dtype=torch.int32, device=self.device)
         self._graph_seqlens = torch.ones(max_bs, dtype=torch.int32, device=self.device)
         self._graph_cu_q = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
+        self._graph_rows = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1      # padding rows read one row of the pad slot
@@ -114,23 +139,31 @@ class VattnAttnBackend(AttentionBackend):
         bs = int(forward_batch.batch_size)
         if bs > self._graph_slots.numel():
             raise ConfigError(f"vattn backend: graph batch {bs} exceeds max_bs={self._graph_slots.numel()}")
-        real = bs - int(getattr(forward_batch, "num_padding", 0) or 0)
-        self._graph_slots[:real].copy_(self._slots(forward_batch.req_pool_indices[:real]))
-        self._graph_slots[real:bs].fill_(PAD_SLOT)
-        self._graph_seqlens[:bs].copy_(forward_batch.seq_lens[:bs])
-        self._graph_seqlens[real:bs].clamp_(max=1)     # the pad slot maps its first page only
+        real = 0 if in_capture else bs - int(getattr(forward_batch, "num_padding", 0) or 0)
+        slots, prefix, seq = self._prepare(forward_batch, real, extend=False) if real else ([], [], [])
+        pad = bs - real                                 # padding rows: row 0 of the pad slot
+        self._graph_slots[:bs].copy_(torch.tensor(slots + [PAD_SLOT] * pad, dtype=torch.int32),
+                                     non_blocking=True)
+        self._graph_seqlens[:bs].copy_(torch.tensor(seq + [1] * pad, dtype=torch.int32),
+                                       non_blocking=True)
+        self._graph_rows[:real].copy_(self._rows_of(slots, prefix, seq))
+        self._graph_rows[real:bs].fill_(PAD_SLOT * self.rows_per_slot)
         self.forward_metadata = VattnMetadata(self._graph_slots[:bs], self._graph_seqlens[:bs],
-                                              self._graph_cu_q[:bs + 1], 1, self.rows_per_slot)
+                                              self._graph_cu_q[:bs + 1], 1, self.rows_per_slot,
+                                              self._graph_rows[:bs])
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """Nothing to record: the captured op reads the buffers written before each replay."""
 
     def init_forward_metadata(self, forward_batch) -> None:
-        """Host-side: slots, key lengths and q offsets of this batch."""
-        slots = self._slots(forward_batch.req_pool_indices)
-        seqlens = forward_batch.seq_lens.to(torch.int32)
-        max_k = _host_max(forward_batch.seq_lens_cpu, forward_batch.seq_lens)
+        """Host-side: map the batch's pages; slots, key lengths, store rows and q offsets."""
         extend = forward_batch.forward_mode.is_extend()
+        bs = int(forward_batch.batch_size)
+        host_slots, prefix, seq = self._prepare(forward_batch, bs, extend)
+        slots = torch.tensor(host_slots, dtype=torch.int32).to(self.device, non_blocking=True)
+        rows = self._rows_of(host_slots, prefix, seq)
+        seqlens = forward_batch.seq_lens.to(torch.int32)
+        max_k = max(seq) if seq else 0
         if extend:
             ext = forward_batch.extend_seq_lens.to(torch.int32)
             cu_q = torch.zeros(ext.numel() + 1, dtype=torch.int32, device=ext.device)
@@ -141,16 +174,19 @@ class VattnAttnBackend(AttentionBackend):
             max_q = 1
         host = None
         if self.op_backend == "sdpa":
-            seq = forward_batch.seq_lens.tolist()
-            ext = (forward_batch.extend_seq_lens.tolist() if extend else [1] * len(seq))
-            host = ([s * self.rows_per_slot for s in slots.tolist()],
-                    [n - e for n, e in zip(seq, ext)], seq)
-        self.forward_metadata = VattnMetadata(slots, seqlens, cu_q, max_q, max_k, host)
+            host = ([s * self.rows_per_slot for s in host_slots], prefix, seq)
+        self.forward_metadata = VattnMetadata(slots, seqlens, cu_q, max_q, max_k, rows, host)
 
     def _store(self, layer, k, v, forward_batch, save_kv_cache: bool) -> None:
         _check_layer(layer)
-        if save_kv_cache and k is not None and v is not None:
-            self.pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+        if k is None or v is None:
+            return
+        if not save_kv_cache:
+            # the model stored K/V itself (SGLang's fused RoPE + set_kv_buffer, e.g. Qwen3-MoE,
+            # gpt-oss) at SGLang's indices, which name pages here, not rows
+            raise UnsupportedError("vattn backend: this model writes its KV cache itself (fused "
+                                   "RoPE + KV store at SGLang's indices); not supported with vattn")
+        self.pool.store(layer, self.forward_metadata.rows, k, v)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         """Prefill / chunked prefill. ``q``: ``[N, Hq * D]``; returns ``[N, Hq * D]``."""
@@ -204,6 +240,12 @@ def _host_max(cpu_values, device_values) -> int:
     if cpu_values is not None:
         return int(max(cpu_values)) if len(cpu_values) else 0
     return int(device_values.max().item()) if device_values.numel() else 0
+
+
+def _host_list(cpu_values, device_values) -> list[int]:
+    """A batch field as host ints, from its host copy when SGLang provides one."""
+    values = cpu_values if cpu_values is not None else device_values
+    return [int(x) for x in (values.tolist() if hasattr(values, "tolist") else values)]
 
 
 def _check_layer(layer) -> None:

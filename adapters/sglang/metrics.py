@@ -3,8 +3,9 @@
 SGLang runs the KV pool and allocator in its scheduler subprocess, out of reach of the process that
 called ``sglang.Engine``. With ``VATTN_SGLANG_METRICS=PATH`` set in the engine's environment the
 allocator writes :func:`allocator_metrics` to ``PATH`` (JSON, replaced atomically) each time its
-last live request is freed, i.e. when the engine goes idle after a batch; the caller reads it after
-``generate`` returns. Counters are cumulative since the engine started (warm-up included).
+last live request is freed, i.e. when the engine goes idle after a batch; the caller (SGLang's
+conformance worker, ``vattn.conformance.workers.sglang``) reads it after ``generate`` returns.
+Counters are cumulative since the engine started (warm-up included).
 """
 
 from __future__ import annotations
@@ -39,17 +40,3 @@ def write_if_asked(alloc) -> None:
     with open(tmp, "w") as f:
         json.dump(allocator_metrics(alloc), f)
     os.replace(tmp, path)
-
-
-def critical_path_summary(m: dict) -> dict:
-    """The allocator's host time (total ms per call kind) and page events, from its metrics."""
-    def total_ms(h):
-        return round((h or {}).get("mean_us", 0) * (h or {}).get("count", 0) / 1e3, 2)
-    return {"host_ms": {"alloc_extend": total_ms(m.get("alloc_extend_us")),
-                        "alloc_decode": total_ms(m.get("alloc_decode_us")),
-                        "free": total_ms(m.get("free_us"))},
-            "alloc_decode_p99_us": (m.get("alloc_decode_us") or {}).get("p99_us"),
-            "pages_mapped_on_demand": m.get("pages_mapped_on_demand"),
-            "pages_prewarmed": m.get("prewarmed_pages"), "unmap_calls": m.get("unmap_calls"),
-            "fence_waits": m.get("fence_waits"), "warm_hits": m.get("warm_hits"),
-            "layout": m.get("layout")}

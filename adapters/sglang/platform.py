@@ -74,6 +74,23 @@ def _default_prefill_graph_off(server_args) -> None:
         logger.info("vattn: SGLang's prefill CUDA graph turned off (decode graphs stay on)")
 
 
+def model_page_size(server_args) -> int:
+    """The SGLang page size vattn needs for the served model: the tokens one page-set holds
+    (KV heads of this rank, head size, KV dtype and layer group of the model SGLang loads)."""
+    import torch
+
+    from .sizing import page_size_for
+    mc = server_args.get_model_config()
+    kv_dtype = getattr(server_args, "kv_cache_dtype", "auto")
+    if kv_dtype not in (None, "auto", "bfloat16", "float16"):
+        raise UnsupportedError(f"vattn's SGLang pool does not support --kv-cache-dtype {kv_dtype}")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(kv_dtype, mc.dtype)
+    tp = max(1, int(getattr(server_args, "tp_size", 1) or 1))
+    heads = mc.get_num_kv_heads(tp)
+    return page_size_for(dtype=dtype, head_num=heads, head_dim=mc.head_dim,
+                         layer_num=mc.num_hidden_layers)
+
+
 def _graph_runner(model_runner):
     """The decode CUDA-graph runner stock SGLang builds for a CUDA ``ModelRunner``."""
     return model_runner._decode_cuda_graph_runner_cls()(model_runner)
@@ -104,13 +121,15 @@ class VattnCudaPlatform(CudaSRTPlatform):
         return BACKEND_NAME
 
     def apply_server_args_defaults(self, server_args) -> None:
-        """Default ``--attention-backend vattn`` / ``--page-size 16``; refuse what cannot work.
+        """Default ``--attention-backend vattn`` and ``--page-size`` = the tokens of one vattn
+        page-set (:func:`.sizing.page_size_for`); refuse what cannot work.
 
         Raises
         ------
         ConfigError
-            Another attention backend, radix cache on, ``page_size`` < 2, or a prefill CUDA
-            graph asked for by name (SGLang's default one is turned off here).
+            Another attention backend, a ``--page-size`` other than one page-set, the
+            hierarchical cache, or a prefill CUDA graph asked for by name (SGLang's default one
+            is turned off here).
         UnsupportedError
             A device other than CUDA.
         """
@@ -124,8 +143,13 @@ class VattnCudaPlatform(CudaSRTPlatform):
                 raise ConfigError(f"{OPT_IN}=1 builds vattn's KV pool, which needs "
                                   f"--attention-backend {BACKEND_NAME}; got {name}={value!r}")
         server_args.attention_backend = BACKEND_NAME
+        page_size = model_page_size(server_args)
         if getattr(server_args, "page_size", None) is None:
-            server_args.page_size = 16
+            server_args.page_size = page_size
+        elif server_args.page_size != page_size:
+            raise ConfigError(f"--page-size {server_args.page_size}: with {OPT_IN}=1 one SGLang "
+                              f"page is one vattn page-set, {page_size} tokens for this model; "
+                              "drop --page-size or pass that value")
         _default_prefill_graph_off(server_args)
         check_server_args(server_args)
 

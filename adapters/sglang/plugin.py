@@ -59,11 +59,12 @@ def prefill_graph_backend(server_args) -> str | None:
 
 
 def check_server_args(server_args) -> None:
-    """Refuse settings the adapter does not support (radix cache on, page size 1, prefill CUDA
-    graphs).
+    """Refuse settings the adapter does not support (page size 1, prefill CUDA graphs, the
+    hierarchical cache). The radix cache is supported (SGLang's default): one SGLang page is one
+    vattn page-set, and a cached page is shared by mapping it into each request's region.
 
-    ``page_size > 1`` routes SGLang's scheduler through the paged allocator calls
-    (``alloc_extend`` / ``alloc_decode``), which carry the per-request lengths vattn maps by.
+    ``page_size > 1`` routes SGLang's scheduler through the paged allocator (page ids, which vattn
+    binds to page-sets); its value must be the tokens of one page-set (checked by the pool).
     Prefill CUDA graphs (SGLang's default ``breakable`` one on CUDA) run the attention once at
     capture on a dummy batch that names requests no allocation has mapped pages for: on the GPU
     that read faults (seen on the H200 as ``CUBLAS_STATUS_EXECUTION_FAILED`` in the next GEMM).
@@ -74,10 +75,12 @@ def check_server_args(server_args) -> None:
         raise ConfigError(f"--attention-backend {BACKEND_NAME} does not support prefill CUDA "
                           f"graphs yet (got the {backend!r} prefill graph): pass "
                           "--disable-prefill-cuda-graph (decode CUDA graphs are supported)")
-    if not getattr(server_args, "disable_radix_cache", False):
-        raise ConfigError("--attention-backend vattn needs --disable-radix-cache "
-                          "(prefix sharing is not supported yet)")
+    if getattr(server_args, "enable_hierarchical_cache", False):
+        raise ConfigError("--attention-backend vattn does not support --enable-hierarchical-cache "
+                          "(host-memory KV tiers copy KV by index); the radix cache itself is "
+                          "supported")
     page_size = getattr(server_args, "page_size", 1) or 1
     if page_size < 2:
-        raise ConfigError(f"--attention-backend vattn needs --page-size > 1 (e.g. 16), got "
+        raise ConfigError(f"--attention-backend vattn needs --page-size > 1 (the tokens of one "
+                          f"vattn page-set; leave it unset and the vattn platform picks it), got "
                           f"{page_size}")

@@ -1,10 +1,12 @@
 """SGLang KV pool whose per-layer buffers are vattn's virtually contiguous row views.
 
-SGLang addresses KV by a flat token index (``out_cache_loc``, ``req_to_token``). Here token ``t``
-of the request held in vattn slot ``s`` has index ``s * C + t`` with ``C = layout.rows_per_slot``,
-so the flattened rows view ``cache.k_rows(layer)`` *is* SGLang's ``k_buffer[layer]`` and the
-stock ``set_kv_buffer`` / store kernels keep working unchanged. Slot 0 is held for the pool's
-lifetime: its first row absorbs SGLang's padded/dummy writes to index 0.
+SGLang names KV by page ids (``page_id * page_size + offset`` in ``out_cache_loc``,
+``req_to_token`` and the radix tree); one SGLang page is one vattn page-set. Token ``t`` of the
+request held in vattn slot ``s`` lives at row ``s * C + t`` (``C = layout.rows_per_slot``) of the
+flattened rows view ``cache.k_rows(layer)``, which is ``k_buffer[layer]`` here; the attention
+backend writes new K/V at those rows (:meth:`VattnMHATokenToKVPool.store`) after
+:class:`~.requests.RequestSlots` mapped each request's page ids into its region. Slot 0 is held for
+the pool's lifetime: CUDA-graph padding rows write and read its first row.
 
 Inside SGLang the vattn platform (:mod:`.platform`) hands this class to ``KVCacheConfigurator``,
 which constructs it with its own arguments; direct use: :meth:`VattnMHATokenToKVPool.from_cache`.
@@ -16,25 +18,25 @@ import logging
 import time
 
 import torch
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
 
 from vattn.core import KVCacheConfig, VirtualKVCache
 from vattn.core.errors import ConfigError, UnsupportedError
 
-logger = logging.getLogger(__name__)
+from .requests import PAD_SLOT, RequestSlots
 
-#: Slot reserved for SGLang's padding index 0.
-PAD_SLOT = 0
+logger = logging.getLogger(__name__)
 
 
 def make_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                max_requests: int, max_context: int, device: str, group_size: int = 1,
-               page_budget=0.9, map_ahead_tokens: int = 0) -> VirtualKVCache:
+               page_budget=0.9, map_ahead_tokens: int = 0, page_bytes: int | None = None
+               ) -> VirtualKVCache:
     """Build the :class:`VirtualKVCache` behind a pool: ``max_requests`` slots plus the pad slot."""
     cfg = KVCacheConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                         dtype=dtype, max_slots=max_requests + 1, max_context=max_context,
                         group_size=group_size, page_budget=page_budget, device=device,
-                        map_ahead_tokens=map_ahead_tokens)
+                        map_ahead_tokens=map_ahead_tokens, page_bytes=page_bytes)
     return VirtualKVCache(cfg)
 
 
@@ -50,7 +52,7 @@ class VattnMHATokenToKVPool(MHATokenToKVPool):
     size : int or None
         SGLang's token budget (``max_total_num_tokens``); ``None``: what the cache physically holds.
     page_size : int
-        SGLang's (logical) page size; must divide ``C``, so pages never straddle two slots.
+        SGLang's page size: the tokens of one vattn page-set (:func:`.sizing.page_size_for`).
     dtype : torch.dtype
         KV dtype; ``head_num`` / ``head_dim`` / ``layer_num`` are the KV heads, head size and
         layers of this rank; ``device`` ``"cuda[:N]"`` (VMM) or ``"cpu"`` (host backend).
@@ -79,15 +81,14 @@ class VattnMHATokenToKVPool(MHATokenToKVPool):
             context, reqs = sglang_bounds(int(size))
             cache = VirtualKVCache(cache_config(
                 num_tokens=size, dtype=dtype, head_num=head_num, head_dim=head_dim,
-                layer_num=layer_num, device=str(device), max_context=context, max_requests=reqs))
+                layer_num=layer_num, device=str(device), max_context=context, max_requests=reqs,
+                page_size=page_size))
         cfg = cache.config
         got = (layer_num, head_num, head_dim, dtype)
         if got != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype):
             raise ConfigError(f"vattn pool: (layers, kv heads, head dim, dtype) {got} do not match "
                               f"the cache's {(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)}")
-        if page_size < 1 or cache.layout.rows_per_slot % page_size:
-            raise ConfigError(f"vattn pool: page_size must divide rows_per_slot="
-                              f"{cache.layout.rows_per_slot}, got {page_size}")
+        self.requests = RequestSlots(cache, page_size=page_size)
         self.vattn_cache = cache
         self.rows_per_slot = cache.layout.rows_per_slot
         self._hold_pad_slot(cache)
@@ -147,6 +148,15 @@ class VattnMHATokenToKVPool(MHATokenToKVPool):
         """Bytes of physical pages currently mapped (not the virtual reservation)."""
         m = self.vattn_cache.metrics()
         return m.get("mapped_bytes", 0), 0
+
+    def store(self, layer, rows: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+        """Write new K/V of ``layer`` at slot rows ``rows`` (``slot * C + position``)."""
+        super().set_kv_buffer(layer, KVWriteLoc(rows, None), cache_k, cache_v)
+
+    def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, *args, **kwargs):
+        raise UnsupportedError("vattn pool: KV is written by the vattn attention backend "
+                               "(SGLang page ids do not address rows here); another writer of "
+                               "set_kv_buffer is not supported")
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor):
         raise UnsupportedError("vattn pool does not move KV between slots")

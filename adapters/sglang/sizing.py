@@ -12,6 +12,11 @@ The KV pool is not handed the request pool, so vattn derives its two bounds:
   budget buys (a live request holds at least one). A slot SGLang can never fill would only
   thin the pre-warmed share of the slots it does fill.
 
+One SGLang page is one vattn page-set (SGLang's page ids are the core's block keys), so SGLang's
+``page_size`` is the tokens of one page-set: on CUDA fixed by the 2 MiB page and the layer group
+(:func:`page_size_for`; the platform sets it), on the host backend any page size whose page-set is
+a whole number of 4 KiB pages (the page bytes follow the page size).
+
 The physical page budget is the page-sets holding ``max_total_num_tokens`` tokens plus
 the two padding page-sets (the core's padding slot and the pool's slot 0), so an idle allocator
 reports ``available_size() == max_total_num_tokens`` (SGLang's idle leak check). Both bounds are
@@ -21,6 +26,7 @@ checked against the real ``ReqToTokenPool`` when the attention backend is create
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 
@@ -28,12 +34,14 @@ import torch
 
 from vattn.core import KVCacheConfig
 from vattn.core.errors import ConfigError
-from vattn.core.layout import KVLayout
+from vattn.core.layout import KVLayout, layout_report
 
 #: Physical page size: the VMM granularity of the stock driver (design decision 1).
 PAGE_BYTES = 2 << 20
 #: Page-sets held for padding: the core's padding slot and the pool's slot 0.
 PAD_PAGE_SETS = 2
+#: Host backend: page-sets are whole multiples of this (the OS page).
+HOST_PAGE = 4096
 #: Slots beyond SGLang's own request count (its count may round differently; a slot costs
 #: only address space until a request takes it).
 SPARE_SLOTS = 8
@@ -79,10 +87,53 @@ def sglang_max_requests(num_tokens: int, context_len: int, requested: int | None
     return max(1, min(int(requested), num_tokens // 2))
 
 
+def group_size_for(layer_num: int, group_size: int | None = None) -> int:
+    """Layers per VA range: ``group_size``, else ``VATTN_SGLANG_GROUP_SIZE``, else the engines'
+    default (:func:`vattn.core.config.engine_group_size`: 4 where it divides ``layer_num``)."""
+    from vattn.core.config import engine_group_size
+    return group_size or _env_int("VATTN_SGLANG_GROUP_SIZE") or engine_group_size(layer_num)
+
+
+def page_size_for(*, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int,
+                  group_size: int | None = None) -> int:
+    """SGLang ``page_size`` on CUDA: the tokens one 2 MiB page-set holds (one SGLang page = one
+    page-set, so a radix-tree page is shared by mapping it, never copied).
+
+    Raises
+    ------
+    ConfigError
+        The page does not hold a whole number of tokens.
+    """
+    group = group_size_for(layer_num, group_size)
+    rep = layout_report(num_layers=group, num_kv_heads=head_num, head_dim=head_dim, dtype=dtype,
+                        group_size=group, page_bytes=PAGE_BYTES)
+    if PAGE_BYTES % rep.token_bytes:
+        raise ConfigError(f"a {PAGE_BYTES}-byte page holds {rep.tokens_per_page:.2f} tokens of "
+                          f"{group} layers; set VATTN_SGLANG_GROUP_SIZE to a divisor of "
+                          f"{layer_num} that gives a whole number")
+    return PAGE_BYTES // rep.token_bytes
+
+
+def _page_bytes(device: str, page_size: int | None, token_bytes: int) -> int:
+    """The page size (bytes) making one page-set hold ``page_size`` tokens; CUDA: 2 MiB."""
+    if torch.device(device).type == "cuda" or page_size is None:
+        if page_size is not None and page_size * token_bytes != PAGE_BYTES:
+            raise ConfigError(f"SGLang page_size must be {PAGE_BYTES // token_bytes} with vattn on "
+                              f"CUDA (the tokens of one 2 MiB page-set), got {page_size}: drop "
+                              "--page-size or pass that value")
+        return PAGE_BYTES
+    if page_size * token_bytes % HOST_PAGE:
+        step = HOST_PAGE // math.gcd(HOST_PAGE, token_bytes)
+        raise ConfigError(f"SGLang page_size {page_size} makes a page-set of "
+                          f"{page_size * token_bytes} bytes, not a multiple of {HOST_PAGE}: use "
+                          f"a multiple of {step}")
+    return page_size * token_bytes
+
+
 def cache_config(*, num_tokens: int, dtype: torch.dtype, head_num: int, head_dim: int,
                  layer_num: int, device: str, max_context: int, max_requests: int | None = None,
-                 group_size: int | None = None, map_ahead_tokens: int | None = None
-                 ) -> KVCacheConfig:
+                 group_size: int | None = None, map_ahead_tokens: int | None = None,
+                 page_size: int | None = None) -> KVCacheConfig:
     """The :class:`KVCacheConfig` behind a pool SGLang asked to hold ``num_tokens`` tokens.
 
     Parameters
@@ -98,6 +149,9 @@ def cache_config(*, num_tokens: int, dtype: torch.dtype, head_num: int, head_dim
     group_size, map_ahead_tokens : int, optional
         Core options; default from ``VATTN_SGLANG_GROUP_SIZE`` / ``VATTN_SGLANG_MAP_AHEAD``,
         else the core's defaults (map-ahead off on the CPU).
+    page_size : int, optional
+        SGLang's page size; one page-set holds exactly that many tokens (CUDA: it must be
+        :func:`page_size_for`; host: the page bytes follow it).
     """
     for name, value in (("num_tokens", num_tokens), ("max_context", max_context),
                         ("max_requests", max_requests), ("group_size", group_size)):
@@ -107,16 +161,19 @@ def cache_config(*, num_tokens: int, dtype: torch.dtype, head_num: int, head_dim
     if str(device).split(":")[0] not in ("cpu", "cuda"):
         raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
     num_tokens, max_context = int(num_tokens), int(max_context)
-    group_size = group_size or _env_int("VATTN_SGLANG_GROUP_SIZE")
+    group_size = group_size_for(layer_num, group_size)
     if map_ahead_tokens is None:
         map_ahead_tokens = _env_int("VATTN_SGLANG_MAP_AHEAD")
     if map_ahead_tokens is None:
         map_ahead_tokens = 0 if torch.device(device).type == "cpu" else 256
+    token_bytes = layout_report(num_layers=layer_num, num_kv_heads=head_num, head_dim=head_dim,
+                                dtype=dtype, group_size=group_size).token_bytes
+    page_bytes = _page_bytes(device, page_size, token_bytes)
     base = dict(num_layers=layer_num, num_kv_heads=head_num, head_dim=head_dim, dtype=dtype,
-                max_context=max_context, group_size=group_size, page_bytes=PAGE_BYTES,
+                max_context=max_context, group_size=group_size, page_bytes=page_bytes,
                 device=device, map_ahead_tokens=map_ahead_tokens)
     probe = KVCacheConfig(**base, max_slots=1)
-    layout = KVLayout.from_config(probe, PAGE_BYTES)
+    layout = KVLayout.from_config(probe, page_bytes)
     # page-sets holding num_tokens tokens; one page-set serves one request, so also enough of
     # them for num_tokens / max_context requests (small models: a page-set > max_context)
     sets = max(layout.pages_for(num_tokens), -(-num_tokens // max_context))

@@ -14,6 +14,7 @@ import os
 import torch
 
 from vattn.core import KVCacheConfig, layout_report
+from vattn.core.config import engine_group_size
 from vattn.core.errors import ConfigError, UnsupportedError
 
 __all__ = ["PAGE_BYTES", "KV_TILE", "EXACT_ENV", "EXACT_MARGIN", "exact_kernel_path", "default_group_size", "group_size_for", "tokens_per_page",
@@ -46,9 +47,8 @@ def exact_kernel_path() -> bool:
 
 
 def default_group_size(num_layers: int) -> int:
-    """Layers per VA range when ``VATTN_GROUP_SIZE`` is unset: 4 (measured best for Llama-3-8B
-    on the H200, design note 2), else the largest of 2, 1 dividing ``num_layers``."""
-    return next(g for g in (4, 2, 1) if num_layers % g == 0)
+    """Layers per VA range when ``VATTN_GROUP_SIZE`` is unset (:func:`vattn.core.config.engine_group_size`)."""
+    return engine_group_size(num_layers)
 
 
 def group_size_for(num_layers: int) -> int:

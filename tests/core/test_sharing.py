@@ -184,6 +184,27 @@ def test_a_driver_fault_while_aliasing_leaves_an_exact_record(method):
         cache.close()
 
 
+def test_a_fresh_block_after_a_failed_hit_never_writes_into_the_cached_block():
+    """The hit's access call fails and the engine gives up on it: a fresh block later bound at
+    that position must not take the cached block's page-set as its own."""
+    drv = FaultInjector(HostDriver(granularity=64 << 10))
+    cache = make_cache(driver=drv)
+    try:
+        a = cache.acquire()
+        cache.bind(a, 0, ["K"])
+        fill(cache, a, 0, T, 7)
+        b = cache.acquire()
+        drv.arm("set_access", drv.calls["set_access"] + 1)
+        with pytest.raises(InjectedFault):
+            cache.bind(b, 0, ["K"], hits=1)
+        assert cache.bind(b, 0, ["K2"])                # fresh instead
+        fill(cache, b, 0, T, 3)
+        assert same(cache, a, 0, T, 7)                 # K's content untouched
+        cache.audit()
+    finally:
+        cache.close()
+
+
 @pytest.mark.parametrize("device", devices())
 def test_a_new_block_where_a_cached_one_sits_moves_it_by_one_copy_not_by_remapping(device):
     over = {} if device == "cpu" else {"max_context": 3 * 4096}   # 2 MiB pages: 4,096 tokens a set

@@ -5,7 +5,9 @@ has page-sets besides the padding slot's. A request is admitted with a hit on a 
 (any prefix of another request's blocks whose blocks are all still cached) plus fresh blocks;
 fresh blocks come from the engine's free list, never-used ones first, else the least recently
 freed cached block (its content is evicted); a running request grows by fresh blocks; a finished
-request's blocks stay cached. Every fresh page-set is written with a value of its own through
+request's blocks stay cached; the engine may also evict cached blocks outright, forgetting their
+keys (SGLang's radix cache: the page-sets stay mapped where they were, dead content, and their
+ids go back to the free list). Every fresh page-set is written with a value of its own through
 the slot's virtual addresses (host backend: one memfd page mapped at several addresses).
 
 Invariants after every rule: the core's audit (references = mappings + keys), every running
@@ -143,6 +145,16 @@ class SharingMachine(RuleBasedStateMachine):
             if b not in in_use:
                 self.cached[b] = self.value[b]
 
+    @precondition(lambda self: self.cached)
+    @rule(n=st.integers(1, 3))
+    def evict(self, n):
+        for _ in range(min(n, len(self.cached))):
+            block, _ = self.cached.popitem(last=False)
+            self.value.pop(block)
+            self.cache.forget([block])
+            self.never_used.append(block)
+            SharingMachine.totals["forgotten"] = SharingMachine.totals.get("forgotten", 0) + 1
+
     @rule(pages=st.integers(0, 8))
     def reclaim(self, pages):
         self.cache.reclaim(pages)
@@ -168,4 +180,4 @@ def test_sharing_state_machine():
     t = SharingMachine.totals
     # the run exercised what it is about: hits mapped from other slots, and block reuse
     assert t["prefix_hits"] > 100 and t["pages_aliased"] > 100 and t["evicting"] > 10, t
-    assert t["page_sets_moved"] > 10, t
+    assert t["page_sets_moved"] > 10 and t["forgotten"] > 10, t

@@ -31,3 +31,19 @@ run_stage() {
   pack
   return $rc
 }
+
+# start_packer NAME: pack() tars $W/NAME to $OUT/NAME_results.tgz and copies $SUM to
+# $OUT/NAME_summary.txt, each under a private name first and then renamed, so the background
+# packer and a stage's own pack never leave a half-written file; the packer refreshes both every
+# 30 s, so a run killed from outside (the device call's own limit) still returns what it has
+start_packer() {
+  PACK_NAME=$1
+  ( n=0; while [ ! -e "$W/stop" ]; do sleep 1; n=$((n + 1)); [ $((n % 30)) -ne 0 ] || pack; done
+  ) > /dev/null 2>&1 & PACKER=$!
+  trap 'touch "$W/stop"; wait $PACKER 2>/dev/null' EXIT
+}
+pack() {
+  local tmp=$W/pack.$BASHPID.tgz
+  tar -czf "$tmp" -C "$W" "$PACK_NAME" 2>/dev/null; mv -f "$tmp" "$OUT/${PACK_NAME}_results.tgz"
+  cp "$SUM" "$OUT/${PACK_NAME}_summary.txt.$BASHPID" && mv -f "$OUT/${PACK_NAME}_summary.txt.$BASHPID" "$OUT/${PACK_NAME}_summary.txt"
+}

@@ -3,9 +3,10 @@
 # vattn alternated (stock, vattn, stock, vattn, ...), a fresh server per run.
 #   vLLM   python -m vllm.entrypoints.openai.api_server + `vllm bench serve` (vLLM 0.26.0; the
 #          same bench-serve flags as 0.32.0); vattn = VATTN_VLLM=1 --attention-backend CUSTOM
-#          (and --no-enable-prefix-caching while vattn refuses prefix caching)
+#          (prefix caching on in both: the engine default)
 #   SGLang python -m sglang.launch_server + sglang.bench_serving (0.5.17); vattn = VATTN_SGLANG=1
-#          --attention-backend vattn --page-size 16 --disable-radix-cache --disable-prefill-cuda-graph
+#          --attention-backend vattn --disable-prefill-cuda-graph (radix cache on in both; page size
+#          set by the vattn platform)
 # Stock runs with the engine's defaults (prefix caching at its default) unless VATTN_LIKE_FOR_LIKE=1
 # (stock gets vattn's forced settings too). Knobs:
 #   VATTN_ENGINE      vllm (default) | sglang

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # SGLang 0.5.17 end to end on one GPU (H200): stock `fa3` vs `--attention-backend vattn`
 # (VATTN_SGLANG=1: the vattn platform makes SGLang's ModelRunner build vattn's KV pool/allocator),
-# each engine in its own process (adapters/sglang/engine_run.py), sampling_backend="pytorch",
-# SGLANG_USE_SGL_FA3_KERNEL=1, page size 16, radix cache off. Stages (VATTN_STAGES, in order):
+# each engine in its own process (conformance/workers/sglang.py), sampling_backend="pytorch",
+# SGLANG_USE_SGL_FA3_KERNEL=1, radix cache on (SGLang's default; VATTN_PREFIX_CACHING=off turns it
+# off in both), page size: SGLang's for stock, one page-set for vattn. Stages (VATTN_STAGES, in order):
 #   tests          the CPU suite against the staged SGLang (pool/allocator/platform/backend)
 #   kernels        the GPU op tests of the sgl_fa3 kernel (decode + prefill vs the reference)
 #   identity       small random Llama (4 layers, d=128, bf16 weights), 32 prompts, stock vs vattn
@@ -26,7 +27,7 @@
 # nvidia-cutlass-dsl(-libs-cu12/-cu13), nvidia-nvvm, nvidia-cuda-nvcc, nvidia-cuda-nvdisasm,
 # tilelang, z3-solver, nvidia-mathdx, modelscope and sgl-deep-gemm (none imported by these runs).
 # Keep it apart from a vLLM site: their pins differ. Both modes run prefill eagerly
-# (engine_run.engine_kwargs): vattn does not support SGLang's prefill CUDA graphs yet.
+# (workers.sglang.engine_kwargs): vattn does not support SGLang's prefill CUDA graphs yet.
 # Results: $OUT/sglang_results.tgz (JSON per stage, engine logs, summary), rewritten after each
 # stage, and $OUT/sglang_summary.txt.
 set -u
@@ -49,10 +50,11 @@ pack() { tar -czf "$OUT/sglang_results.tgz" --exclude=sglang/models -C "$W" sgla
 } > "$R/env.txt" 2>&1
 cat "$R/env.txt" >> "$SUM"
 
-G="python3 -m vattn.adapters.sglang.gpu_run"
+G="python3 -m vattn.bench.gpu.sglang_stages"
 for stage in ${VATTN_STAGES:-identity decode-heavy prefill-heavy}; do
   case "$stage" in
-    tests) run_stage tests 30 90 python3 -m pytest -q tests/adapters/sglang -p no:cacheprovider ;;
+    tests) run_stage tests 30 90 python3 -m pytest -q tests/adapters/sglang tests/conformance/sglang \
+             tests/bench/sglang -p no:cacheprovider ;;
     kernels) run_stage kernels 20 120 python3 -m pytest -q -m gpu -k sgl_fa3 -p no:cacheprovider \
                tests/core/test_ops_decode.py tests/core/test_ops_prefill.py ;;
     identity) run_stage identity 200 300 $G identity --out "$R" ;;

@@ -18,7 +18,7 @@
 #                    on a machine already up, give it up to 585 on a fresh one)
 #   VATTN_MODES / VATTN_IDENTITY_MODES / VATTN_IDENTITY_EAGER / VATTN_IDENTITY_INPROC /
 #   VATTN_GROUP_SIZE / VATTN_REPEATS /
-#   VATTN_CUDAGRAPH_MODE (e.g. PIECEWISE, all modes alike): see adapters/vllm/gpu_run.py
+#   VATTN_CUDAGRAPH_MODE (e.g. PIECEWISE, all modes alike): see bench/gpu/vllm_stages.py
 # Measured on the H200 (2026-12-04; engine start 45-55 s for the 8B shape with torch.compile +
 # CUDA graphs, the first engine of a machine ~105 s): identity 65-105 s per mode, decode-heavy
 # ~85 s per mode, prefill-heavy ~88 s, long-context ~95 s (one repeat; VATTN_REPEATS=2, the
@@ -43,17 +43,7 @@ export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=1 VLLM_ALLOW_INSEC
   PYTHONUNBUFFERED=1
 export VATTN_MODELS=${VATTN_MODELS:-/tmp/vattn-models}
 
-# pack: tar to a private name, then rename, so the background packer and a stage's pack never
-# leave a half-written tgz; the packer refreshes it every 30 s, so a run killed from outside
-# (the device call's own limit) still returns the logs of the stage it was in
-pack() {
-  local tmp=$W/pack.$BASHPID.tgz
-  tar -czf "$tmp" -C "$W" vllm 2>/dev/null; mv -f "$tmp" "$OUT/vllm_results.tgz"
-  cp "$SUM" "$OUT/vllm_summary.txt.$BASHPID" && mv -f "$OUT/vllm_summary.txt.$BASHPID" "$OUT/vllm_summary.txt"
-}
-( n=0; while [ ! -e "$W/stop" ]; do sleep 1; n=$((n + 1)); [ $((n % 30)) -ne 0 ] || pack; done
-) > /dev/null 2>&1 & PACKER=$!
-trap 'touch "$W/stop"; wait $PACKER 2>/dev/null' EXIT
+start_packer vllm   # pack(): engine_lib.sh
 
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -61,7 +51,7 @@ trap 'touch "$W/stop"; wait $PACKER 2>/dev/null' EXIT
 } > "$R/env.txt" 2>&1
 cat "$R/env.txt" >> "$SUM"
 
-G="python3 -m vattn.adapters.vllm.gpu_run"
+G="python3 -m vattn.bench.gpu.vllm_stages"
 for stage in ${VATTN_STAGES:-smoke identity throughput}; do
   case "$stage" in
     smoke)
@@ -74,11 +64,11 @@ for stage in ${VATTN_STAGES:-smoke identity throughput}; do
       for w in ${VATTN_WORKLOADS:-decode-heavy}; do
         run_stage "throughput_$w" 200 "${VATTN_STAGE_MAX_S:-480}" $G throughput --workload "$w" --out "$R"
       done ;;
-    paired)    # two engines up at once, generations alternated (see gpu_run.stage_paired)
+    paired)    # two engines up at once, generations alternated (see vllm_stages.stage_paired)
       for w in ${VATTN_WORKLOADS:-decode-heavy}; do
         run_stage "paired_$w" 200 "${VATTN_STAGE_MAX_S:-480}" $G paired --workload "$w" --out "$R"
       done ;;
-    profile)   # where the time goes, per kernel family and mode (see gpu_run.stage_profile)
+    profile)   # where the time goes, per kernel family and mode (see vllm_stages.stage_profile)
       for w in ${VATTN_WORKLOADS:-decode-heavy}; do
         run_stage "profile_$w" 200 560 $G profile --workload "$w" --out "$R"
       done ;;

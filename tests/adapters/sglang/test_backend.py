@@ -80,7 +80,8 @@ def make_sides(d=D):
     stock = Side(stock_pool, TokenToKVPoolAllocator(REQS * CTX, torch.float32, "cpu", stock_pool,
                                                     need_sort=False), TorchNativeAttnBackend)
     cache = make_cache(num_layers=L, num_kv_heads=HK, head_dim=d, dtype=torch.float32,
-                       max_requests=REQS, max_context=CTX, device="cpu", page_budget=64 << 20)
+                       max_requests=REQS, max_context=CTX, device="cpu", page_budget=64 << 20,
+                       page_bytes=PAGE * 2 * HK * d * 4)       # one page-set = one SGLang page
     pool = VattnMHATokenToKVPool.from_cache(cache, page_size=PAGE)
     return stock, Side(pool, VattnTokenAllocator.for_pool(pool), VattnAttnBackend)
 
@@ -172,17 +173,19 @@ def test_decode_graph_metadata_is_persistent_pads_to_the_pad_slot_and_matches_ea
     stale = torch.tensor([*rpi, rpi[0]], dtype=torch.int64)          # a padding row with a stale index
     padded = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=4, num_padding=1,
                              req_pool_indices=stale, seq_lens=torch.tensor([*seq, 1]))
-    be.init_forward_metadata_out_graph(padded, in_capture=True)
+    be.init_forward_metadata_out_graph(padded, in_capture=True)      # capture: a dummy batch
     md = be.forward_metadata
+    assert md.slots.tolist() == [PAD_SLOT] * 4 and md.rows.tolist() == [0] * 4
+    be.init_forward_metadata_out_graph(padded)                         # replay: the real batch
+    assert be.forward_metadata.slots.data_ptr() == md.slots.data_ptr()  # the same buffers
     assert md.slots.data_ptr() == be._graph_slots.data_ptr() and md.slots[3].item() == PAD_SLOT
+    assert md.slots[:3].tolist() == [vattn.pool.requests.slot_of[r] for r in rpi]
     assert md.max_seqlen_k == vattn.pool.rows_per_slot and md.seqlens.tolist() == [*seq, 1]
     assert md.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]                 # built once, not per layer
     assert md.cu_seqlens_q.data_ptr() == be._graph_cu_q.data_ptr()
     qp = torch.cat([q, torch.randn(1, HQ * D, generator=gen)])
     out = be.forward_decode(qp, None, None, layer, padded, save_kv_cache=False)   # KV stored above
     torch.testing.assert_close(out[:3], eager, rtol=1e-6, atol=1e-6)
-    be.init_forward_metadata_out_graph(padded)                          # a replay: same buffers
-    assert be.forward_metadata.slots.data_ptr() == md.slots.data_ptr()
     with pytest.raises(UnsupportedError, match="decode only"):
         be.init_forward_metadata_out_graph(SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=1))
     with pytest.raises(UnsupportedError, match="sdpa"):

@@ -85,17 +85,29 @@ def test_configurator_without_vattn_platform_chooses_stock(configure_pools):
     assert type(pools.token_to_kv_pool_allocator) is PagedTokenToKVPoolAllocator
 
 
-def test_platform_refuses_other_backends_radix_cache_and_non_cuda():
+def test_platform_defaults_page_size_to_one_page_set_keeps_radix_and_refuses_the_rest(
+        sglang_server_args):
     from types import SimpleNamespace as NS
     plat = VattnCudaPlatform()
+    mc = sglang_server_args.get_model_config()      # tiny Llama: 2 layers, 2 KV heads, 64
     args = NS(device="cuda", attention_backend=None, prefill_attention_backend=None,
-              decode_attention_backend=None, page_size=None, disable_radix_cache=True)
+              decode_attention_backend=None, page_size=None, disable_radix_cache=False,
+              kv_cache_dtype="auto", tp_size=1, get_model_config=lambda: mc)
     plat.apply_server_args_defaults(args)
-    assert (args.attention_backend, args.page_size) == ("vattn", 16)
+    # 2 MiB / (2 layers per range x K,V x 2 heads x 64 x the dtype's bytes); radix stays on
+    tokens = (2 << 20) // (2 * 2 * 2 * 64 * mc.dtype.itemsize)
+    assert (args.attention_backend, args.page_size, args.disable_radix_cache) == ("vattn", tokens, False)
+    tp2 = NS(**dict(vars(args), tp_size=2, page_size=None))
+    plat.apply_server_args_defaults(tp2)
+    assert tp2.page_size == 2 * tokens                # one KV head per rank: twice the tokens
+    with pytest.raises(ConfigError, match=f"--page-size 16: .* {tokens} tokens for this model"):
+        plat.apply_server_args_defaults(NS(**dict(vars(args), page_size=16)))
+    with pytest.raises(ConfigError, match="hierarchical"):
+        plat.apply_server_args_defaults(NS(**dict(vars(args), enable_hierarchical_cache=True)))
+    with pytest.raises(UnsupportedError, match="kv-cache-dtype fp8_e4m3"):
+        plat.apply_server_args_defaults(NS(**dict(vars(args), kv_cache_dtype="fp8_e4m3")))
     with pytest.raises(ConfigError, match="--attention-backend vattn; got attention_backend='fa3'"):
         plat.apply_server_args_defaults(NS(**dict(vars(args), attention_backend="fa3")))
-    with pytest.raises(ConfigError, match="disable-radix-cache"):
-        plat.apply_server_args_defaults(NS(**dict(vars(args), disable_radix_cache=False)))
     with pytest.raises(UnsupportedError, match="CUDA only"):
         plat.apply_server_args_defaults(NS(**dict(vars(args), device="cpu")))
     with pytest.raises(UnsupportedError, match="MLA"):
@@ -123,7 +135,8 @@ def test_platform_turns_the_default_prefill_graph_off_and_refuses_one_asked_for(
     from sglang.srt.server_args import ServerArgs
     plat = VattnCudaPlatform()
     fields = copy.deepcopy(vars(sglang_server_args))
-    fields.update(device="cuda", attention_backend=None)
+    mc = sglang_server_args.get_model_config()
+    fields.update(device="cuda", attention_backend=None, page_size=None, get_model_config=lambda: mc)
     default = NS(**fields)
     default.cuda_graph_config.prefill.backend = "breakable"        # as resolved on CUDA
     default._cuda_graph_config_locked = set()
@@ -134,7 +147,8 @@ def test_platform_turns_the_default_prefill_graph_off_and_refuses_one_asked_for(
                        disable_radix_cache=True, skip_tokenizer_init=True,
                        cuda_graph_backend_prefill="breakable", context_length=96)
     assert ("prefill", "backend") in asked._cuda_graph_config_locked
-    asked = NS(**dict(copy.deepcopy(vars(asked)), device="cuda", attention_backend=None))
+    asked = NS(**dict(copy.deepcopy(vars(asked)), device="cuda", attention_backend=None,
+                      page_size=None, get_model_config=lambda: mc))
     with pytest.raises(ConfigError, match="disable-prefill-cuda-graph"):
         plat.apply_server_args_defaults(asked)
     assert asked.cuda_graph_config.prefill.backend == "breakable"

@@ -27,15 +27,16 @@ def test_register_adds_backend_and_choice():
     assert "vattn" in ATTENTION_BACKEND_CHOICES
 
 
-def test_radix_cache_must_be_off():
+def test_radix_cache_is_served_page_size_one_and_the_hierarchical_cache_are_refused():
     pytest.importorskip("sglang.srt.server_args", reason="sglang (CPU import set) not installed")
     from vattn.adapters.sglang.plugin import check_server_args
 
-    with pytest.raises(ConfigError, match="disable-radix-cache"):
+    check_server_args(SimpleNamespace(disable_radix_cache=False, page_size=128))
+    check_server_args(SimpleNamespace(disable_radix_cache=True, page_size=128))
+    with pytest.raises(ConfigError, match="page-size > 1"):
         check_server_args(SimpleNamespace(disable_radix_cache=False, page_size=1))
-    with pytest.raises(ConfigError, match="page-size"):
-        check_server_args(SimpleNamespace(disable_radix_cache=True, page_size=1))
-    check_server_args(SimpleNamespace(disable_radix_cache=True, page_size=16))
+    with pytest.raises(ConfigError, match="hierarchical"):
+        check_server_args(SimpleNamespace(page_size=128, enable_hierarchical_cache=True))
 
 
 def test_prefill_cuda_graphs_are_refused_by_name():

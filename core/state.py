@@ -1,0 +1,71 @@
+"""What every part of a cache shares: the record of each slot's request, and the page holders.
+
+:class:`~vattn.core.cache.VirtualKVCache` builds one :class:`CacheState` and hands it explicitly
+to each of its parts (admission, growth, binding, reclaim, accounting). Not thread-safe on its
+own: every part runs under ``cond``, the cache's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .config import KVCacheConfig
+from .keys import BlockKeys
+from .layout import KVLayout
+from .metrics import Counters
+from .pages import PagePool
+from .paging import SlotPages
+
+__all__ = ["SlotTable", "CacheState"]
+
+
+class SlotTable:
+    """Per slot (``layout.num_va_slots`` of them, the padding slot last): its request, if any."""
+
+    def __init__(self, layout: KVLayout):
+        n = layout.num_va_slots
+        self.layout = layout
+        self.active = np.zeros(n, dtype=bool)            # acquired (the padding slot always is)
+        self.tenant: list = [None] * n                   # the tenant of the latest request
+        self.one_tenant = True     # every slot has only ever had the tenant None (the common case)
+        self.length = np.zeros(n, dtype=np.int64)        # tokens ensure() guaranteed the request
+        self.bound_sets = np.zeros(n, dtype=np.int64)    # page-sets bind() gave the current request
+        self.mixed: set[int] = set()    # slots that may map pages tagged with another tenant
+        self.fence: list = [None] * n   # completes when the device is done with the last request
+        self.released_at = np.zeros(n, dtype=np.int64)   # the clock at release (oldest first)
+        self.clock = 0
+        self.inflight: set[int] = set()  # slots the map-ahead worker is mapping into right now
+
+    def num_read_sets(self, slots):
+        """Page-sets the requests in ``slots`` (one slot, a slice or an index array) read: those
+        below their ensured length or their bound page-sets, whichever reach higher."""
+        lay = self.layout
+        need = -(-self.length[slots] * lay.token_bytes // lay.page_bytes)   # pages_for, vectorised
+        return np.maximum(need, self.bound_sets[slots])
+
+
+class CacheState:
+    """The objects the parts of one cache share (see the module docstring)."""
+
+    def __init__(self, config: KVCacheConfig, layout: KVLayout, driver, pool: PagePool,
+                 pages: SlotPages, keys: BlockKeys, counters: Counters, cond: threading.Condition):
+        self.config, self.layout, self.driver = config, layout, driver
+        self.pool, self.pages, self.keys, self.counters = pool, pages, keys, counters
+        self.cond = cond
+        self.slots = SlotTable(layout)
+
+    def settle(self, slot: int) -> None:
+        """Wait until the map-ahead worker is not mapping into ``slot`` (it appends at the top;
+        whoever maps there next must see its pages recorded first). Call before mapping into a
+        slot after anything that may have waited on the condition."""
+        while slot in self.slots.inflight:
+            self.cond.wait()
+
+    def wait_fence(self, slot: int) -> None:
+        """Wait until the device is done with what ``slot``'s previous request read."""
+        fence = self.slots.fence[slot]
+        if fence is not None and not fence.done():
+            self.counters.fence_waits += 1
+            fence.wait()

@@ -1,0 +1,187 @@
+"""A CPU stand-in for SGLang's scheduler loop over SGLang's own memory classes and vattn's pool.
+
+Everything that decides memory is SGLang's: ``ReqToTokenPool``, ``RadixCache`` (or
+``ChunkCache``), the allocation functions ``alloc_paged_token_slots_extend/decode``, the
+``req_to_token`` writes of ``write_cache_indices``, ``cache_finished_req`` /
+``cache_unfinished_req`` / ``evict`` and the lock references. The stand-in only plays the
+scheduler: it matches and locks prefixes at admission, allocates, writes ``req_to_token``, runs
+the vattn attention backend's forward with K/V that are a pure function of the token prefix (so
+any request's cached copy of a token is bit-equal to a recomputed one), and checks after every
+forward that each request's slot rows hold exactly its tokens' K/V.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+import torch
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.mem_cache.allocation import (alloc_paged_token_slots_decode,
+                                             alloc_paged_token_slots_extend)
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.chunk_cache import ChunkCache
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+from vattn.adapters.sglang.allocator import VattnTokenAllocator
+from vattn.adapters.sglang.backend import VattnAttnBackend
+from vattn.adapters.sglang.pool import VattnMHATokenToKVPool, make_cache
+
+L, HQ, HK, D, PAGE = 2, 4, 2, 32, 16
+#: bytes of one token in one range (K and V of one layer, fp32): a page-set of PAGE tokens
+TOKEN_BYTES = 2 * HK * D * 4
+
+
+def kv_of(tokens, position: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``tokens[position]`` in ``layer``: a function of the prefix up to it only."""
+    digest = hashlib.blake2b(repr((tuple(tokens[:position + 1]), layer)).encode(), digest_size=8)
+    gen = torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little") >> 1)
+    kv = torch.randn(2, HK, D, generator=gen)
+    return kv[0], kv[1]
+
+
+def new_req(tokens) -> SimpleNamespace:
+    """A request as SGLang's caches read it."""
+    req = SimpleNamespace(origin_input_ids=list(tokens), output_ids=[], req_pool_idx=None,
+                          prefix_indices=torch.empty(0, dtype=torch.int64), last_node=None,
+                          cache_protected_len=0, extra_key=None, inflight_middle_chunks=0,
+                          kv_committed_len=0, priority=0)
+    req.get_fill_ids = lambda: req.origin_input_ids + req.output_ids
+    return req
+
+
+class Engine:
+    """SGLang's memory classes + vattn's pool / allocator / backend, driven step by step."""
+
+    def __init__(self, *, reqs=6, ctx=128, page_sets=None, radix=True, map_ahead=0):
+        page_sets = page_sets or reqs * -(-ctx // PAGE)
+        self.cache = make_cache(num_layers=L, num_kv_heads=HK, head_dim=D, dtype=torch.float32,
+                                max_requests=reqs + 2, max_context=ctx, device="cpu",
+                                page_bytes=PAGE * TOKEN_BYTES, map_ahead_tokens=map_ahead,
+                                page_budget=(page_sets + 2) * L * PAGE * TOKEN_BYTES)
+        self.pool = VattnMHATokenToKVPool.from_cache(self.cache, page_size=PAGE)
+        self.alloc = VattnTokenAllocator(page_sets * PAGE, PAGE, torch.float32, "cpu", self.pool)
+        self.r2t = ReqToTokenPool(size=reqs, max_context_len=ctx, device="cpu",
+                                  enable_memory_saver=False)
+        if radix:
+            self.tree = RadixCache(CacheInitParams(disable=False, req_to_token_pool=self.r2t,
+                                                   token_to_kv_pool_allocator=self.alloc,
+                                                   page_size=PAGE))
+        else:
+            self.tree = ChunkCache(SimpleNamespace(req_to_token_pool=self.r2t, page_size=PAGE,
+                                                   token_to_kv_pool_allocator=self.alloc))
+        runner = SimpleNamespace(device="cpu", req_to_token_pool=self.r2t, token_to_kv_pool=self.pool)
+        self.backend = VattnAttnBackend(runner, op_backend="sdpa")
+        self.layers = [RadixAttention(HQ, D, D ** -0.5, HK, layer_id=i) for i in range(L)]
+
+    # -- the scheduler's steps ---------------------------------------------------------------------
+    def admit(self, reqs) -> list[int]:
+        """Match + lock each request's prefix, allocate rows and pages, prefill. Returns the
+        prefix lengths SGLang matched."""
+        prefixes = []
+        for req in reqs:
+            if isinstance(self.tree, RadixCache):
+                m = self.tree.match_prefix(MatchPrefixParams(key=RadixKey(req.get_fill_ids())))
+                req.prefix_indices, req.last_node = m.device_indices, m.last_device_node
+                self.tree.inc_lock_ref(req.last_node)
+            req.cache_protected_len = len(req.prefix_indices)
+            prefixes.append(len(req.prefix_indices))
+        self.r2t.alloc(reqs)
+        self.extend(reqs, prefixes)
+        return prefixes
+
+    def extend(self, reqs, prefixes, upto=None) -> None:
+        """Prefill ``prefixes[i] .. upto[i]`` (default: every filled token) of each request."""
+        seqs = upto or [len(r.get_fill_ids()) for r in reqs]
+        rows = [r.req_pool_idx for r in reqs]
+        last = [int(self.r2t.req_to_token[r, p - 1]) if p else -1 for r, p in zip(rows, prefixes)]
+        t = _ints
+        n = sum(s - p for p, s in zip(prefixes, seqs))
+        loc = alloc_paged_token_slots_extend(self.tree, t(prefixes), t(prefixes), t(seqs), t(seqs),
+                                             t(last), n)
+        for req, p, s, part in zip(reqs, prefixes, seqs,
+                                   loc.split([s - p for p, s in zip(prefixes, seqs)])):
+            if p:
+                self.r2t.write((req.req_pool_idx, slice(0, p)), req.prefix_indices[:p].to(torch.int32))
+            self.r2t.write((req.req_pool_idx, slice(p, s)), part.to(torch.int32))
+            req.kv_committed_len = s
+        self._forward(ForwardMode.EXTEND, reqs, prefixes, seqs, loc)
+
+    def decode(self, reqs, token=7) -> None:
+        """One new token for each request."""
+        for req in reqs:
+            req.output_ids.append(token + len(req.output_ids))
+        seqs = [len(r.get_fill_ids()) for r in reqs]
+        rows = _ints([r.req_pool_idx for r in reqs])
+        last = self.r2t.req_to_token[rows, _ints(seqs) - 2].long()
+        loc = alloc_paged_token_slots_decode(self.tree, _ints(seqs), _ints(seqs), last)
+        for req, s, x in zip(reqs, seqs, loc.tolist()):
+            self.r2t.write((req.req_pool_idx, s - 1), x)
+            req.kv_committed_len = s
+        self._forward(ForwardMode.DECODE, reqs, [s - 1 for s in seqs], seqs, loc)
+
+    def unfinished(self, req) -> None:
+        self.tree.cache_unfinished_req(req)
+
+    def finish(self, req) -> None:
+        self.tree.cache_finished_req(req, kv_len_to_handle=req.kv_committed_len)
+        self.r2t.free(req)
+
+    def retract(self, req) -> None:
+        """SGLang's preemption: nothing inserted, only what the request owns is freed."""
+        self.tree.cache_finished_req(req, is_insert=False, kv_len_to_handle=req.kv_committed_len)
+        self.r2t.free(req)
+        req.output_ids, req.prefix_indices, req.last_node = [], torch.empty(0, dtype=torch.int64), None
+
+    def evict_all(self) -> None:
+        if isinstance(self.tree, RadixCache):
+            self.tree.evict(EvictParams(num_tokens=1 << 30))
+
+    # -- forward and checks ------------------------------------------------------------------------
+    def _forward(self, mode, reqs, prefixes, seqs, loc) -> None:
+        ext = [s - p for p, s in zip(prefixes, seqs)]
+        t = _ints
+        fb = ForwardBatch(forward_mode=mode, batch_size=len(reqs), input_ids=t([0] * sum(ext)),
+                          req_pool_indices=t([r.req_pool_idx for r in reqs]), seq_lens=t(seqs),
+                          out_cache_loc=loc, seq_lens_sum=sum(seqs), seq_lens_cpu=t(seqs),
+                          extend_num_tokens=sum(ext), extend_prefix_lens=t(prefixes),
+                          extend_seq_lens=t(ext), extend_prefix_lens_cpu=prefixes,
+                          extend_seq_lens_cpu=ext)
+        self.backend.init_forward_metadata(fb)
+        for layer in self.layers:
+            kv = [kv_of(r.get_fill_ids(), pos, layer.layer_id)
+                  for r, p, s in zip(reqs, prefixes, seqs) for pos in range(p, s)]
+            k = torch.stack([a for a, _ in kv])
+            v = torch.stack([b for _, b in kv])
+            q = torch.ones(k.shape[0], HQ * D)
+            fwd = self.backend.forward_extend if mode.is_extend() else self.backend.forward_decode
+            fwd(q, k, v, layer, fb)
+        self.check(reqs, seqs)
+
+    def slot_of(self, req) -> int:
+        return int(self.pool.requests.slot_of[req.req_pool_idx])
+
+    def check(self, reqs, seqs=None) -> None:
+        """Each request's slot rows ``0 .. seq - 1`` hold exactly its tokens' K/V."""
+        c = self.pool.rows_per_slot
+        for i, req in enumerate(reqs):
+            tokens, slot = req.get_fill_ids(), self.slot_of(req)
+            seq = seqs[i] if seqs else req.kv_committed_len
+            for layer in range(L):
+                k_rows = self.pool.get_key_buffer(layer)[slot * c: slot * c + seq]
+                v_rows = self.pool.get_value_buffer(layer)[slot * c: slot * c + seq]
+                want = [kv_of(tokens, pos, layer) for pos in range(seq)]
+                assert torch.equal(k_rows, torch.stack([a for a, _ in want])), (req, layer)
+                assert torch.equal(v_rows, torch.stack([b for _, b in want])), (req, layer)
+
+    def idle_free(self) -> int:
+        """SGLang's idle check: free + evictable tokens."""
+        evictable = self.tree.evictable_size() if isinstance(self.tree, RadixCache) else 0
+        return self.alloc.available_size() + evictable
+
+
+def _ints(xs) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int64)

@@ -1,0 +1,223 @@
+"""SGLang's radix cache on vattn's pool: its own classes drive shared-prefix admission, eviction,
+preemption and free; every request's region must hold exactly its tokens' K/V after every
+forward (one physical page-set mapped into several regions), and nothing may leak."""
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.mem_cache.radix_cache", reason="sglang (CPU import set) not installed")
+
+from tests.adapters.sglang._engine import PAGE, Engine, new_req  # noqa: E402
+from vattn.core.errors import SlotError, UnsupportedError, VattnError  # noqa: E402
+
+P = list(range(100, 140))                         # a 40-token prompt: 2 whole pages + 8 tokens
+
+
+def settle(engine):
+    """One empty forward's worth of bookkeeping: departed rows release their slots."""
+    engine.pool.requests.prepare([], [])
+
+
+def test_shared_prefix_admission_maps_the_cached_pages_into_both_regions():
+    e = Engine()
+    a = new_req(P + [1, 2, 3])
+    assert e.admit([a]) == [0]
+    e.decode([a])
+    e.finish(a)                                    # P's two whole pages go to the tree
+    b, d = new_req(P + [5] * 10), new_req(P + [6] * 30)
+    assert e.admit([b, d]) == [2 * PAGE, 2 * PAGE]  # page-aligned hits, one batch
+    m = e.cache.metrics()
+    assert m["prefix_hits"] == 4 and m["pages_aliased"] > 0
+    for _ in range(3):
+        e.decode([b, d])
+    pool = e.cache._pool
+    ids = e.r2t.req_to_token[b.req_pool_idx, :2 * PAGE:PAGE].tolist()
+    assert ids == e.r2t.req_to_token[d.req_pool_idx, :2 * PAGE:PAGE].tolist()
+    pids = [e.cache._keys.get(i // PAGE) for i in ids]
+    assert all(pool.refs[p] >= 3 for ps in pids for p in ps)   # key + two mappings at least
+    e.cache.audit()
+    for r in (b, d):
+        e.finish(r)
+    settle(e)
+    e.cache.audit()
+
+
+def test_next_turn_gets_the_idle_slot_where_its_conversation_is_mapped():
+    e = Engine()
+    b = new_req(P + [5] * 25)
+    e.admit([b])
+    e.decode([b])
+    slot = e.slot_of(b)
+    e.finish(b)
+    settle(e)
+    turn = new_req(b.origin_input_ids + b.output_ids + [9] * 20)
+    before = e.cache.metrics()
+    assert e.admit([turn]) == [4 * PAGE]            # 66 tokens cached -> 4 whole pages hit
+    after = e.cache.metrics()
+    assert e.slot_of(turn) == slot                  # found in place: nothing mapped for it
+    assert after["pages_aliased"] == before["pages_aliased"]
+    e.finish(turn)
+    settle(e)
+    e.cache.audit()
+
+
+def test_eviction_forgets_keys_and_an_idle_engine_has_every_token_back():
+    e = Engine()
+    reqs = [new_req(P + [i] * (20 + 7 * i)) for i in range(3)]
+    e.admit(reqs)
+    e.decode(reqs)
+    for r in reqs:
+        e.finish(r)
+    settle(e)
+    held = e.cache.metrics()["keys_held"]
+    assert held > 0 and e.tree.evictable_size() > 0
+    assert e.idle_free() == e.alloc.size            # SGLang's _check_full_pool
+    e.evict_all()
+    assert e.cache.metrics()["keys_held"] == 0
+    assert e.alloc.available_size() == e.alloc.size
+    e.alloc._debug_check_no_duplicate_pages()       # every page id freed exactly once
+    e.cache.audit()
+
+
+def test_preempted_sharer_frees_only_its_own_pages_and_re_hits():
+    e = Engine()
+    a = new_req(P + [1])
+    e.admit([a])
+    e.finish(a)
+    b, c = new_req(P + [2] * 20), new_req(P + [3] * 5)
+    e.admit([b])
+    e.decode([b])
+    e.retract(b)                                    # preempted while sharing A's prefix
+    settle(e)
+    assert e.tree.evictable_size() == 2 * PAGE      # the shared prefix stays in the tree
+    assert e.admit([c]) == [2 * PAGE]
+    assert e.admit([b]) == [2 * PAGE]               # back: hits the prefix again
+    e.decode([b, c])
+    for r in (b, c):
+        e.finish(r)
+    settle(e)
+    e.evict_all()
+    assert e.alloc.available_size() == e.alloc.size
+    e.cache.audit()
+
+
+def test_duplicates_freed_while_their_writer_reads_them_are_held_back():
+    e = Engine()
+    a, x = new_req(P + [1] * 8), new_req(P + [1] * 8)   # same prompt, one batch: both miss
+    e.admit([a, x])
+    free_before = e.alloc.available_size()
+    e.unfinished(a)                                  # A inserts first
+    e.unfinished(x)                                  # X's copies are duplicates: freed by SGLang
+    requests = e.pool.requests
+    assert requests.held_pages() == 3                # X still reads its own 3 pages
+    assert e.alloc.available_size() == free_before   # so SGLang does not count them free yet
+    for _ in range(4):
+        e.decode([a, x])                             # X reads its own copy: still exact
+    e.finish(x)
+    assert requests.held_pages() == 0
+    e.finish(a)
+    settle(e)
+    e.evict_all()
+    assert e.alloc.available_size() == e.alloc.size
+    e.cache.audit()
+
+
+def test_a_released_slot_reused_from_position_zero_leaves_the_tree_pages_intact():
+    """The failure of slot-address indices: A's slot goes to an unrelated E that writes from
+    position 0; F hitting A's prefix must still read A's K/V."""
+    e = Engine(reqs=2)
+    a = new_req(P + [1] * 30)
+    e.admit([a])
+    slot = e.slot_of(a)
+    e.finish(a)
+    settle(e)
+    other = new_req(list(range(500, 560)))
+    e.admit([other])
+    assert e.slot_of(other) == slot or e.cache.config.max_slots > 3
+    e.decode([other])
+    f = new_req(P + [4] * 3)
+    assert e.admit([f]) == [2 * PAGE]
+    e.decode([f, other])
+    assert e.cache.metrics()["page_sets_moved"] + e.cache.metrics()["pages_aliased"] > 0
+    e.cache.audit()
+
+
+def test_free_of_a_finished_request_after_the_next_forward_is_ordered():
+    """Overlap scheduling: batch N+1 (with the request that finished in N, one extra decode) is
+    prepared before N's results free it; its slot is released at the forward after."""
+    e = Engine()
+    a, b = new_req(P + [1] * 12), new_req(P + [2] * 12)
+    e.admit([a, b])
+    e.decode([a, b])                                 # N: A finishes here
+    e.decode([a, b])                                 # N+1 prepared, A still in it
+    slot = e.slot_of(a)
+    e.finish(a)                                      # N's results processed now
+    assert slot not in e.alloc.live_slots()          # A has left ...
+    assert e.cache._active[slot]                     # ... but N+1 may still read its slot
+    e.decode([b])                                    # N+2: A's slot released first
+    assert not e.cache._active[slot]
+    e.finish(b)
+    settle(e)
+    e.cache.audit()
+
+
+def test_bad_input_is_refused_with_typed_errors():
+    e = Engine()
+    a = new_req(P)
+    e.admit([a])
+    requests = e.pool.requests
+    with pytest.raises(VattnError, match="whole pages"):
+        requests.prepare([a.req_pool_idx + 1], [40], [5])        # new row, unaligned prefix
+    with pytest.raises(VattnError, match="never had an extend"):
+        requests.prepare([a.req_pool_idx + 1], [41])             # decode of an unknown row
+    row = a.req_pool_idx + 1
+    e.r2t.req_to_token[row, :2 * PAGE] = torch.arange(60 * PAGE, 62 * PAGE, dtype=torch.int32)
+    with pytest.raises(SlotError, match="no page-set holds"):
+        requests.prepare([row], [2 * PAGE + 1], [2 * PAGE])      # a hit on ids never bound
+    e.cache.audit()
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_many_requests_churn_without_leaks(radix):
+    """Random admission / decode / finish / retract / evict against SGLang's classes, with
+    prompts sharing prefixes of varied lengths (not multiples of the page)."""
+    import random
+    rng = random.Random(5 if radix else 6)
+    e = Engine(reqs=5, page_sets=24, radix=radix)
+    prefixes = [list(range(1000 + 97 * i, 1000 + 97 * i + n)) for i, n in enumerate((21, 37, 50))]
+    running = []
+    for step in range(60):
+        roll = rng.random()
+        if roll < 0.35 and len(running) < 4:
+            req = new_req(rng.choice(prefixes) + [rng.randrange(50)] * rng.randrange(1, 20))
+            if e.idle_free() > len(req.origin_input_ids) + 4 * PAGE:
+                e.admit([req])
+                running.append(req)
+        elif roll < 0.8 and running:
+            if all(len(r.get_fill_ids()) < 120 for r in running) and e.idle_free() > 4 * PAGE:
+                e.decode(running)
+        elif running:
+            req = running.pop(rng.randrange(len(running)))
+            (e.retract if roll > 0.95 else e.finish)(req)
+        e.cache.audit()
+    for req in running:
+        e.finish(req)
+    settle(e)
+    e.evict_all()
+    assert e.alloc.available_size() == e.alloc.size
+    assert e.pool.requests.held_pages() == 0
+    e.cache.audit()
+
+
+def test_a_model_that_stores_kv_itself_is_refused():
+    """SGLang's fused RoPE + KV store writes at SGLang's indices (page names here): refused."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    e = Engine()
+    a = new_req(P)
+    e.admit([a])
+    fb = type("FB", (), {})()
+    fb.forward_mode = ForwardMode.DECODE
+    layer = e.layers[0]
+    k = torch.zeros(1, 2, 32)
+    with pytest.raises(UnsupportedError, match="writes its KV cache itself"):
+        e.backend.forward_decode(torch.zeros(1, 4 * 32), k, k, layer, fb, save_kv_cache=False)

