@@ -95,14 +95,18 @@ class VattnAttnBackend(AttentionBackend):
     def _prepare(self, forward_batch, real: int, extend: bool) -> tuple[list, list, list]:
         """Map the batch's pages (:meth:`RequestSlots.prepare`); host ``(slots, prefix, seq)``
         of its first ``real`` requests."""
-        rows = forward_batch.req_pool_indices[:real].tolist()
         seq = _host_list(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)[:real]
+        rpi = forward_batch.req_pool_indices[:real]
         if extend:
             prefix = _host_list(getattr(forward_batch, "extend_prefix_lens_cpu", None),
                                 forward_batch.extend_prefix_lens)[:real]
+            slots = self.requests.prepare(rpi.tolist(), seq, prefix)
         else:
+            # decode: the rows and each request's last page id in one copy to the host (a new
+            # page's id is the only one a decode step can need)
             prefix = [n - 1 for n in seq]
-        slots = self.requests.prepare(rows, seq, prefix if extend else None)
+            rows, last = self.requests.last_page_ids(rpi, seq)
+            slots = self.requests.prepare(rows, seq, last_pages=last)
         return slots.tolist(), prefix, seq
 
     def _rows_of(self, slots: list, prefix: list, seq: list) -> torch.Tensor:

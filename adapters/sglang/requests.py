@@ -118,13 +118,13 @@ class RequestSlots:
         start = time.perf_counter()
         ids = np.asarray(ids, dtype=np.int64)
         keys = ids.tolist()
-        homes = self.cache.active_home(keys)
+        readers = [h if h is not None and self._reads(h) else None
+                   for h in self.cache.active_home(keys)]
         self.cache.forget(keys)
-        keep = np.fromiter((h is None or not self._reads(h) for h in homes), dtype=bool,
-                           count=len(homes))
-        for pid, home in zip(keys, homes):
-            if home is not None and self._reads(home):
-                self._held.setdefault(home, []).append(pid)
+        for pid, slot in zip(keys, readers):
+            if slot is not None:
+                self._held.setdefault(slot, []).append(pid)
+        keep = np.fromiter((slot is None for slot in readers), dtype=bool, count=len(readers))
         self.free_us.observe((time.perf_counter() - start) * 1e6)
         return ids[keep]
 
@@ -154,7 +154,16 @@ class RequestSlots:
         self._held.clear()
 
     # -- before each forward ------------------------------------------------------------------------
-    def prepare(self, rows, seq_lens, prefix_lens=None) -> np.ndarray:
+    def last_page_ids(self, rows: torch.Tensor, seq_lens) -> tuple[np.ndarray, np.ndarray]:
+        """Host ``(rows, id of each request's last page)`` of a decode batch: one gather, one
+        copy (``rows`` may live on the device)."""
+        cols = (torch.as_tensor(seq_lens, dtype=torch.int64) - 1) // self.page_size * self.page_size
+        rows = rows.to(torch.int64)
+        last = self.req_to_token[rows, cols.to(rows.device)].to(torch.int64)
+        host = torch.stack([rows, last]).cpu().numpy()
+        return host[0], host[1] // self.page_size
+
+    def prepare(self, rows, seq_lens, prefix_lens=None, *, last_pages=None) -> np.ndarray:
         """Slots of the batch's requests, with every page id they hold bound.
 
         Parameters
@@ -166,6 +175,9 @@ class RequestSlots:
         prefix_lens : sequence of int, optional
             Extend: tokens already cached (``extend_prefix_lens``); a new row's are prefix hits
             (page-aligned: SGLang matches whole pages). ``None``: decode.
+        last_pages : sequence of int, optional
+            Decode: the page id of each request's last page (:meth:`last_page_ids`); spares the
+            gather when each request needs at most that one.
 
         Returns
         -------
@@ -194,7 +206,10 @@ class RequestSlots:
         new = self.slot_of[rows] < 0
         first = np.where(new, 0, self.bound[rows])
         need = np.flatnonzero(want > first)
-        ids = self._page_ids(rows[need], first[need], want[need])
+        if last_pages is not None and (want[need] - first[need] == 1).all():
+            ids = [[int(x)] for x in np.asarray(last_pages, dtype=np.int64)[need]]
+        else:
+            ids = self._page_ids(rows[need], first[need], want[need])
         hits = np.zeros(rows.size, dtype=np.int64)
         if new.any():
             if prefix_lens is None:

@@ -125,7 +125,6 @@ class VattnRuntime:
         self._plan: StepPlan | None = None
         self._backend: dict[str, str] = {}
         self._dead: set[str] = set()           # killed; rows left out until vLLM resets them
-        self._quarantine: set[int] = set()     # slots of killed requests kept until a repair
         self._failures: dict[str, dict] = {}   # killed this step, for the scheduler
         self._reported: set[str] = set()       # killed and handed to the scheduler
         self._strikes: dict[str, int] = {}     # preemptions for driver faults, per request
@@ -167,8 +166,6 @@ class VattnRuntime:
                 self.cache.release(slot)
         for req_id in finished:
             self._strikes.pop(req_id, None)
-        if self._quarantine:
-            self._repair()
 
     def bind_blocks(self, new: list[tuple[str, list[int], int]], running: list[tuple]) -> list[str]:
         """Prefix caching: give this step's requests the page-sets of the blocks vLLM gave them.
@@ -258,58 +255,13 @@ class VattnRuntime:
             for (req_id, start, ids, hits), later in zip(pending, wait):
                 if later or req_id in self._dead:  # killed: it hit a killed request's block
                     continue
-                ok, why, clean = self._bind(self._slot_of[req_id], start, ids, hits)
+                slot = self._slot_of[req_id]
+                ok, why = self._retry(lambda: self.cache.bind(slot, start, ids, hits=hits))
                 if ok:
                     self._blocks[req_id] = start + len(ids)
                 else:
-                    self._kill_unpaged(req_id, why, before[req_id], len(ids) * self.block_size,
-                                       quarantine=not clean)
+                    self._kill_unpaged(req_id, why, before[req_id], len(ids) * self.block_size)
             pending = [item for item, later in zip(pending, wait) if later]
-
-    def _bind(self, slot: int, start: int, ids: list[int], hits: int) -> tuple[bool, str, bool]:
-        """``cache.bind`` with retries. A bind that fails part way through replacing a run of
-        page-sets can leave a position whose ranges hold pages of different page-sets (the ranges
-        are remapped one after the other): before a retry, and after the last failure,
-        :meth:`_repair` unmaps every page-set no request has bound or ensured, that one with them.
-        Returns ``(ok, why not, whether the slot is clean)``."""
-        why, clean = "", True
-        for attempt in range(self.retries + 1):
-            try:
-                bound = self.cache.bind(slot, start, ids, hits=hits)
-                return bound, "" if bound else "short", True
-            except DriverError as exc:
-                why = f"driver: {exc}"
-            clean = self._repair()
-            if not clean or attempt == self.retries:
-                break
-            self.counts["driver_retries"] += 1
-        return False, why, clean
-
-    def _repair(self) -> bool:
-        """Unmap the page-sets of idle slots and the surplus of acquired ones (those above what
-        their requests bound or were ensured), then release the quarantined slots (see
-        :meth:`kill`). A driver fault part way keeps what was unmapped: the reclaim goes on while
-        it makes progress, and gives up after ``retries + 1`` attempts in a row that unmapped
-        nothing (False)."""
-        stalls = 0
-        while stalls <= self.retries:
-            held = self._held_bytes()
-            try:
-                self.cache.reclaim()
-            except DriverError:
-                self.counts["driver_retries"] += 1
-                stalls = 0 if self._held_bytes() < held else stalls + 1
-                continue
-            for slot in self._quarantine:
-                self.cache.release(slot)
-            self._quarantine.clear()
-            return True
-        return False
-
-    def _held_bytes(self) -> int:
-        """Bytes of pages mapped in the slots beyond what their requests use (what a reclaim takes)."""
-        m = self.cache.metrics()
-        return m["warm_bytes"] + m["waste_bytes"]
 
     def _retry(self, call) -> tuple[bool, str]:
         """Run a cache call (True: done, False: the pool is short) up to ``retries + 1`` times
@@ -325,7 +277,7 @@ class VattnRuntime:
 
     def _acquire(self, req_id: str, expected_len: int, *, prefer=None, before: int = 0) -> int | None:
         """A slot for ``req_id`` (recorded), or ``None`` after killing it: driver faults while the
-        slot's pages were re-tagged (``retries + 1`` times), or every free slot quarantined."""
+        slot's pages were re-tagged, ``retries + 1`` times (a failed re-tag leaves the slot idle)."""
         why = ""
         for attempt in range(self.retries + 1):
             try:
@@ -333,43 +285,20 @@ class VattnRuntime:
                 return slot
             except DriverError as exc:
                 why = f"driver: {exc}"
-                self._release_strays()
-            except SlotError:
-                if not self._quarantine:
-                    raise
-                why = f"no free slot: {len(self._quarantine)} held back after driver faults"
-                self._repair()
             if attempt < self.retries:
                 self.counts["driver_retries"] += 1
         self.kill(req_id, why, before=before, fault=True)
         return None
 
-    def _release_strays(self) -> None:
-        """Release slots the cache holds acquired that no request of this runtime owns: an
-        ``acquire`` that raised while re-tagging the slot's pages left its slot acquired."""
-        max_slots = self.cache.config.max_slots
-        if self.cache.metrics()["active_slots"] <= len(self._slot_of) + len(self._quarantine):
-            return
-        owned = set(self._slot_of.values()) | self._quarantine
-        for slot in range(max_slots):
-            if slot in owned:
-                continue
-            try:
-                self.cache.length(slot)                # raises unless acquired
-            except SlotError:
-                continue
-            self.cache.release(slot)
-
     def kill(self, req_id: str, reason: str, *, before: int = 0, action: str | None = None,
-             fault: bool = False, quarantine: bool = False, throttle: bool = False) -> None:
+             fault: bool = False, throttle: bool = False) -> None:
         """Drop ``req_id``'s KV: release its slot, leave its rows out of this step and hand it to
         vLLM's scheduler (:meth:`take_failures`) to preempt (``action`` default: preempt, or error
         once it was preempted ``max_preemptions`` times for driver faults: ``fault``). ``before``: tokens it
         had computed before this step; its blocks from there on (prefix caching) are evicted from
         vLLM's prefix cache and dropped from vattn's keys: this step's KV of them is never
         written. Requests of this step that hit one of those blocks are killed too.
-        ``quarantine``: its slot may hold a half-remapped page-set (see :meth:`_bind`) that no
-        repair could unmap yet: it stays acquired until one does. ``throttle``: the pool is dry,
+        ``throttle``: the pool is dry,
         vLLM should admit no more requests than it runs until one finishes."""
         if req_id in self._dead:
             return
@@ -386,9 +315,7 @@ class VattnRuntime:
         if self.sharing:
             evict = self._block_ids.get(req_id, [])[before // self.block_size:]
             self.cache.forget(evict)
-        if slot is not None and quarantine:
-            self._quarantine.add(slot)         # released once a repair succeeds
-        elif slot is not None:
+        if slot is not None:
             self.cache.release(slot)
         self._failures[req_id] = {"action": action, "reason": f"vattn: {reason}", "evict": list(evict),
                                   "throttle": throttle}
@@ -401,12 +328,11 @@ class VattnRuntime:
                                  f"which lost its KV this step",
                           before=len(hits) * self.block_size, action=PREEMPT)
 
-    def _kill_unpaged(self, req_id: str, why: str, before: int, tokens: int, *,
-                      quarantine: bool = False) -> None:
+    def _kill_unpaged(self, req_id: str, why: str, before: int, tokens: int) -> None:
         """Kill a request that could not get pages: a driver fault (``why`` says), or the pool
         dry (preempted, or failed when even the whole pool is too small for its ``tokens``)."""
         if why != "short":
-            self.kill(req_id, why, before=before, fault=True, quarantine=quarantine)
+            self.kill(req_id, why, before=before, fault=True)
             return
         self.counts["pool_shortfalls"] += 1
         lay, m = self.cache.layout, self.cache.metrics()

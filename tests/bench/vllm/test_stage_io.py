@@ -37,7 +37,6 @@ def test_a_failing_stage_still_writes_its_json(tmp_path, monkeypatch):
 
 
 def test_a_failed_engine_run_reports_the_first_traceback_last(tmp_path):
-    pytest.importorskip("vattn.conformance.workers.vllm")
     runner = VllmRunner(device="cpu", modes=("stock",), log_dir=str(tmp_path), tag="t",
                                     timeout_s=120, engine_args={"model_dir": "/nonexistent"})
     try:
