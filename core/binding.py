@@ -97,18 +97,35 @@ class Binding:
         for index, key in enumerate(keys[first:], start=start + first):
             home[key] = (slot, index)                 # the latest mapping: where a request runs next
 
+    def claim(self, slot: int, index: int) -> bool:
+        """:meth:`VirtualKVCache.claim` with checked arguments."""
+        self.state.settle(slot)
+        return self._fresh_set(slot, index, index + 1) is not None
+
     def _bind_fresh(self, slot: int, index: int, key, end: int) -> bool:
         st = self.state
-        pages, held = st.pages, st.keys
-        cur, old = pages.at(slot, index), held.get(key)
-        if old is not None:                           # reused by the engine: its content is dead
+        held = st.keys
+        if held.get(key) is not None:                 # reused by the engine: its content is dead
             home = held.home.get(key)
             held.drop(key)
             if home is not None and home != (slot, index):
                 self.loose.add([home])
+        cur = self._fresh_set(slot, index, end)
+        if cur is None:
+            return False
+        held.bind(key, cur, (slot, index))
+        st.counters.keys_bound += 1
+        return True
+
+    def _fresh_set(self, slot: int, index: int, end: int) -> tuple[int, ...] | None:
+        """The page-set at ``index`` of ``slot``, mapped, holding no bound block and scrubbed
+        for the slot's tenant (``None``: the pool ran short)."""
+        st = self.state
+        pages = st.pages
+        cur = pages.at(slot, index)
         if cur is None:                               # the next page-set: map it from the pool
             if not self.growth.grow(slot, index + 1, {slot: index + 1}, False)[0]:
-                return False
+                return None
             cur = pages.at(slot, index)
         if any(pages.bound[p] for p in cur):          # another block's content: keep it (also when
             #                                           growing re-granted access to a hit whose
@@ -117,7 +134,7 @@ class Binding:
             if not self._move_out(slot, index, cur, end):  # then map new pages here
                 pids = self.growth.take_set(slot, index)
                 if pids is None:
-                    return False
+                    return None
                 st.settle(slot)
                 st.wait_fence(slot)
                 try:
@@ -127,9 +144,7 @@ class Binding:
                 cur = tuple(pids)
         for rng in range(len(cur)):                   # pages of another tenant are scrubbed first
             pages.scrub_pages(slot, rng, (index,), st.slots.tenant[slot])
-        held.bind(key, cur, (slot, index))
-        st.counters.keys_bound += 1
-        return True
+        return cur
 
     def _move_out(self, slot: int, index: int, cur: tuple[int, ...], end: int) -> bool:
         """Move the cached block in page-set ``cur`` (at ``index`` of ``slot``) into a loose

@@ -21,7 +21,7 @@ import torch
 from .accounting import Capacity, audit, capacity, gauges
 from .admission import Admission
 from .binding import Binding, hits_waiting
-from .checks import batch_arrays, check_batch, check_bind, check_length, check_slot
+from .checks import batch_arrays, check_batch, check_bind, check_index, check_length, check_slot
 from .config import KVCacheConfig
 from .driver import get_driver
 from .errors import ConfigError, SlotError
@@ -291,6 +291,27 @@ class VirtualKVCache:
                     failed.append(slot)
             pending = [item for item, later in zip(pending, wait) if later]
         return failed
+
+    def claim(self, slot: int, index: int) -> bool:
+        """Make page-set ``index`` of ``slot`` ready for a fresh block the engine names later:
+        mapped, holding no bound block (moved out or replaced, as :meth:`bind` does) and
+        scrubbed for the slot's tenant; returns False if the pool ran short. The request may
+        write it at once; a later ``bind(slot, index, [key])`` then only records the name. For
+        an engine that learns a block's key after the step that first writes it (SGLang's page
+        ids come from a device allocator): it must bind the key before anything else can use it
+        (a hit on it, a free of it, the slot's release).
+
+        Raises
+        ------
+        SlotError
+            ``slot`` is not acquired, or ``index`` is not an int >= 0.
+        ContextLengthError
+            ``index`` is beyond the slot's region.
+        """
+        self._check_active(slot)
+        index = check_index(index, self.layout.pages_per_slot)
+        with self._cond:
+            return self._binding.claim(slot, index)
 
     def holds(self, key) -> bool:
         """Whether a page-set is bound to ``key`` (a hit on it would be honoured)."""

@@ -43,6 +43,15 @@ def check_bind(start, keys: list, hits, pages_per_slot: int) -> None:
         raise SlotError(f"a block key is listed twice in one bind() call: {keys}")
 
 
+def check_index(index, pages_per_slot: int) -> int:
+    """A page-set index of one slot (:meth:`~vattn.core.cache.VirtualKVCache.claim`)."""
+    if not _is_int(index) or index < 0:
+        raise SlotError(f"index must be an int >= 0, got {index!r}")
+    if index >= pages_per_slot:
+        raise ContextLengthError(f"page-set {index} exceeds the slot's {pages_per_slot}")
+    return int(index)
+
+
 def check_batch(slots: np.ndarray, lens: np.ndarray, active: np.ndarray, cfg: KVCacheConfig) -> None:
     """One ``ensure`` call: acquired slots in range, each once, lengths within ``max_context``."""
     if slots.size and (slots.min() < 0 or slots.max() >= cfg.max_slots):

@@ -161,8 +161,8 @@ def _sglang_rows(rows, seqs, prefixes=None) -> Callable[[], object]:
                                              dtype=torch.float32, max_slots=3, max_context=64,
                                              page_bytes=8192, page_budget=64 * 8192))
         table = RequestSlots(cache, page_size=16)
-        r2t = NS(req_to_token=torch.zeros(4, 64, dtype=torch.int32), free=lambda req: None,
-                 clear=lambda: None)
+        r2t = NS(req_to_token=torch.zeros(4, 64, dtype=torch.int32), alloc=lambda reqs: None,
+                 free=lambda req: None, clear=lambda: None)
         r2t.req_to_token[1, :32] = torch.arange(16 * 9, 16 * 11, dtype=torch.int32)
         table.attach(r2t)
         try:
@@ -300,6 +300,13 @@ CASES = [
          _on_cache(lambda c: c.bind(0, c.layout.pages_per_slot, ["k"]))),
     Case("bind-slot-not-acquired", "VirtualKVCache.bind", 'bind(3, 0, ["k"]), slot 3 never acquired',
          SlotError, "slot 3 is not acquired", _on_cache(lambda c: c.bind(3, 0, ["k"]))),
+    Case("claim-slot-not-acquired", "VirtualKVCache.claim", "claim(3, 0), slot 3 never acquired",
+         SlotError, "slot 3 is not acquired", _on_cache(lambda c: c.claim(3, 0))),
+    Case("claim-negative-index", "VirtualKVCache.claim", "claim(0, -1)", SlotError,
+         "index must be an int >= 0, got -1", _on_cache(lambda c: c.claim(0, -1))),
+    Case("claim-beyond-region", "VirtualKVCache.claim", "an index past the slot's page-sets",
+         ContextLengthError, "exceeds the slot's",
+         _on_cache(lambda c: c.claim(0, c.layout.pages_per_slot))),
     Case("ensure-float-tensor", "VirtualKVCache.ensure", "slots as a float tensor", SlotError,
          "slots must be integers on the CPU",
          _on_cache(lambda c: c.ensure(torch.tensor([0.0]), torch.tensor([1])))),

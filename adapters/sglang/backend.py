@@ -97,16 +97,17 @@ class VattnAttnBackend(AttentionBackend):
         of its first ``real`` requests."""
         seq = _host_list(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)[:real]
         rpi = forward_batch.req_pool_indices[:real]
+        rids = getattr(forward_batch, "rids", None)
+        rids = list(rids[:real]) if rids is not None and len(rids) >= real else None
         if extend:
             prefix = _host_list(getattr(forward_batch, "extend_prefix_lens_cpu", None),
                                 forward_batch.extend_prefix_lens)[:real]
-            slots = self.requests.prepare(rpi.tolist(), seq, prefix)
+            slots = self.requests.prepare(rpi, seq, prefix, rids=rids)
         else:
-            # decode: the rows and each request's last page id in one copy to the host (a new
-            # page's id is the only one a decode step can need)
+            # decode: rows by request id, nothing read from the device (SGLang's overlap
+            # scheduler prepares the next step while this one runs)
             prefix = [n - 1 for n in seq]
-            rows, last = self.requests.last_page_ids(rpi, seq)
-            slots = self.requests.prepare(rows, seq, last_pages=last)
+            slots = self.requests.prepare_decode(rids, seq, rpi)
         return slots.tolist(), prefix, seq
 
     def _rows_of(self, slots: list, prefix: list, seq: list) -> torch.Tensor:
@@ -194,34 +195,36 @@ class VattnAttnBackend(AttentionBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         """Prefill / chunked prefill. ``q``: ``[N, Hq * D]``; returns ``[N, Hq * D]``."""
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache, decode=False)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        """One token per request. ``q``: ``[B, Hq * D]``; returns ``[B, Hq * D]``."""
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache, decode=True)
+
+    def _attend(self, q, k, v, layer, forward_batch, save_kv_cache: bool, decode: bool):
         self._store(layer, k, v, forward_batch, save_kv_cache)
         md = self.forward_metadata
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if md.host is not None:
             bases, prefix, seq = md.host
-            o = extend_sdpa(q_, *self._rows(layer), bases=bases, prefix_lens=prefix,
-                            seq_lens=seq, scale=layer.scaling, out=torch.empty_like(q_))
-            return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
-        o = ops.prefill(q_, self.cache.k(layer.layer_id), self.cache.v(layer.layer_id),
-                        cu_seqlens_q=md.cu_seqlens_q, slots=md.slots, seqlens_k=md.seqlens,
-                        max_seqlen_q=md.max_seqlen_q, max_seqlen_k=md.max_seqlen_k,
-                        scale=layer.scaling, causal=True, backend=self._kernel("prefill", q_))
-        return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
-
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
-        """One token per request. ``q``: ``[B, Hq * D]``; returns ``[B, Hq * D]``."""
-        self._store(layer, k, v, forward_batch, save_kv_cache)
-        md = self.forward_metadata
-        q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        if md.host is not None:
-            bases, _, seq = md.host
-            o = decode_sdpa(q_, *self._rows(layer), bases=bases, seq_lens=seq,
-                            scale=layer.scaling, out=torch.empty_like(q_))
-            return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
-        o = ops.decode(q_, self.cache.k(layer.layer_id), self.cache.v(layer.layer_id),
-                       slots=md.slots, seqlens=md.seqlens, max_seqlen_k=md.max_seqlen_k,
-                       scale=layer.scaling, cu_seqlens_q=md.cu_seqlens_q,
-                       backend=self._kernel("decode", q_))
+            out = torch.empty_like(q_)
+            if decode:
+                o = decode_sdpa(q_, *self._rows(layer), bases=bases, seq_lens=seq,
+                                scale=layer.scaling, out=out)
+            else:
+                o = extend_sdpa(q_, *self._rows(layer), bases=bases, prefix_lens=prefix,
+                                seq_lens=seq, scale=layer.scaling, out=out)
+        else:
+            kv = (self.cache.k(layer.layer_id), self.cache.v(layer.layer_id))
+            if decode:
+                o = ops.decode(q_, *kv, slots=md.slots, seqlens=md.seqlens,
+                               max_seqlen_k=md.max_seqlen_k, scale=layer.scaling,
+                               cu_seqlens_q=md.cu_seqlens_q, backend=self._kernel("decode", q_))
+            else:
+                o = ops.prefill(q_, *kv, cu_seqlens_q=md.cu_seqlens_q, slots=md.slots,
+                                seqlens_k=md.seqlens, max_seqlen_q=md.max_seqlen_q,
+                                max_seqlen_k=md.max_seqlen_k, scale=layer.scaling, causal=True,
+                                backend=self._kernel("prefill", q_))
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _kernel(self, op: str, q: torch.Tensor) -> str:

@@ -14,6 +14,12 @@ everything; this table follows them:
   forward stream); a new row acquires a slot (the idle one where its cached prefix is still
   mapped, if any) and binds its prefix hits; every request binds the page ids it received since
   the last forward;
+* a decode forward (:meth:`RequestSlots.prepare_decode`) reads nothing from the device: the rows
+  come from the batch's request ids (learnt at the request's extend), a request entering a new
+  page *claims* that page-set (:meth:`VirtualKVCache.claim`) and its page id, gathered on the
+  device into pinned host memory, is bound one step later, or at once before anything else can
+  use it (a prefix hit, a free, a release). SGLang's overlap scheduler keeps the GPU busy only
+  if the host never waits for it between two decode steps;
 * a page id returns to SGLang's free list (:meth:`RequestSlots.on_free_pages`, from the
   allocator): its key is forgotten; if the request that wrote it still runs and reads it (SGLang
   frees a request's duplicate of a page another request inserted into the tree first, then points
@@ -22,8 +28,8 @@ everything; this table follows them:
 * a row is freed (``ReqToTokenPool.free``, wrapped on the instance by :meth:`attach`): its held
   back ids return to SGLang, its slot is released at the next forward.
 
-Host-side; reads ``req_to_token`` (one small device gather + copy per forward that needs page
-ids, and the batch's rows).
+Host-side; an extend reads the batch's rows and new page ids from the device (one copy each),
+a decode nothing (unless a request id is unknown: then the rows and last page ids, one copy).
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ import torch
 
 from vattn.core.errors import ConfigError, SlotError, VattnError
 from vattn.core.metrics import Histogram
+
+from .late_ids import LateIds, page_cells
 
 #: Slot reserved for SGLang's padding row 0 and CUDA-graph padding (held by the pool).
 PAD_SLOT = 0
@@ -64,6 +72,12 @@ class RequestSlots:
         self._row_of: dict[int, int] = {}            # slot -> row, for rows holding a slot
         self._departed: dict[int, None] = {}         # rows freed since the last forward (ordered)
         self._held: dict[int, list[int]] = {}        # slot -> page ids held back from SGLang
+        self._row_of_rid: dict[str, int] = {}        # request id -> row (learnt at its extend)
+        self._rid_of_row: dict[int, str] = {}
+        self.late = LateIds(cache, page_size)        # page-sets claimed, ids not bound yet
+        #: reads from the device that waited for it: the rows of a batch with an unknown request
+        #: id, the page ids of prefix hits (decode and hit-less extends read nothing)
+        self.device_reads = 0
         self.return_pages = None                     # the allocator's ``ids -> None``
         #: host time per forward (prepare) and per free, microseconds
         self.extend_us, self.decode_us, self.free_us = Histogram(), Histogram(), Histogram()
@@ -72,7 +86,9 @@ class RequestSlots:
     # -- wiring ------------------------------------------------------------------------------------
     def attach(self, req_to_token_pool) -> None:
         """Follow ``req_to_token_pool`` (SGLang's ``ReqToTokenPool``): size the table to its rows
-        and wrap its ``free`` / ``clear`` on the instance, so a freed row is seen when it happens.
+        and wrap its ``alloc`` / ``free`` / ``clear`` on the instance, so each row's request id is
+        known when SGLang hands the row out (forwards then name rows by request id, nothing read
+        from the device) and a freed row is seen when it happens.
 
         Raises
         ------
@@ -88,7 +104,14 @@ class RequestSlots:
         self._r2t, self.req_to_token = req_to_token_pool, req_to_token_pool.req_to_token
         self.slot_of = np.full(rows, -1, dtype=np.int64)
         self.bound = np.zeros(rows, dtype=np.int64)
-        free, clear = req_to_token_pool.free, req_to_token_pool.clear
+        alloc, free, clear = req_to_token_pool.alloc, req_to_token_pool.free, req_to_token_pool.clear
+
+        def alloc_rows(reqs, *args, **kwargs):
+            out = alloc(reqs, *args, **kwargs)
+            if out is not None:
+                for req in reqs:
+                    self._learn(getattr(req, "rid", None), req.req_pool_idx)
+            return out
 
         def free_row(req):
             row = req.req_pool_idx
@@ -100,11 +123,24 @@ class RequestSlots:
             for row in np.flatnonzero(self.slot_of >= 0).tolist():
                 self.on_free_row(row)
 
+        req_to_token_pool.alloc = alloc_rows
         req_to_token_pool.free, req_to_token_pool.clear = free_row, clear_rows
+
+    def _learn(self, rid, row) -> None:
+        """Request ``rid`` holds row ``row`` now."""
+        if rid is None or row is None:
+            return
+        old = self._rid_of_row.get(row)
+        if old is not None and self._row_of_rid.get(old) == row:
+            del self._row_of_rid[old]
+        self._row_of_rid[rid], self._rid_of_row[row] = int(row), rid
 
     # -- SGLang's frees ------------------------------------------------------------------------------
     def on_free_row(self, row: int) -> None:
         """Row ``row``'s request left: return the ids held back for it; release at next forward."""
+        rid = self._rid_of_row.pop(row, None)
+        if rid is not None and self._row_of_rid.get(rid) == row:
+            del self._row_of_rid[rid]
         if row is None or not 0 <= row < self.slot_of.size or self.slot_of[row] < 0:
             return
         self._departed[row] = None
@@ -116,6 +152,7 @@ class RequestSlots:
         """SGLang freed page ids ``ids``: forget their keys; returns the ids SGLang may hand out
         again now (the others come back when the request still reading them leaves)."""
         start = time.perf_counter()
+        self.late.resolve(wait=True)                 # a claimed page may be among them
         ids = np.asarray(ids, dtype=np.int64)
         keys = ids.tolist()
         readers = [h if h is not None and self._reads(h) else None
@@ -148,10 +185,13 @@ class RequestSlots:
 
     def reset(self) -> None:
         """Release every slot and forget every key (SGLang's flush: allocator ``clear``)."""
+        self.late.resolve(wait=True)
         for row in np.flatnonzero(self.slot_of >= 0).tolist():
             self._departed[row] = None
         self._release_departed()
         self._held.clear()
+        self._row_of_rid.clear()
+        self._rid_of_row.clear()
 
     # -- before each forward ------------------------------------------------------------------------
     def last_page_ids(self, rows: torch.Tensor, seq_lens) -> tuple[np.ndarray, np.ndarray]:
@@ -163,21 +203,73 @@ class RequestSlots:
         host = torch.stack([rows, last]).cpu().numpy()
         return host[0], host[1] // self.page_size
 
-    def prepare(self, rows, seq_lens, prefix_lens=None, *, last_pages=None) -> np.ndarray:
-        """Slots of the batch's requests, with every page id they hold bound.
+    def prepare_decode(self, rids, seq_lens, rows_device) -> np.ndarray:
+        """Slots of a decode batch, read without waiting for the device.
+
+        ``rids`` (the batch's request ids) name the rows; a request entering a new page claims
+        that page-set, and the page id SGLang's allocator wrote into ``req_to_token`` is gathered
+        on the device and bound later (:class:`.late_ids.LateIds`). ``rows_device``
+        (``req_pool_indices``) is read only when a request id is unknown: then this is
+        :meth:`prepare` with the rows and last page ids copied to the host.
+
+        Raises
+        ------
+        SlotError, VattnError
+            As :meth:`prepare`.
+        """
+        rows = self._rows_of_rids(rids)
+        if rows is None:
+            self.device_reads += 1
+            host_rows, last = self.last_page_ids(rows_device, seq_lens)
+            return self.prepare(host_rows, seq_lens, last_pages=last)
+        start = time.perf_counter()
+        self.late.resolve(wait=False)
+        self._release_departed()
+        if not rows.size:
+            return rows
+        seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+        want = -(-seq // self.page_size)
+        slots = self.slot_of[rows]
+        need = np.flatnonzero(want > self.bound[rows])
+        if need.size:
+            if (want[need] - self.bound[rows[need]] != 1).any():
+                raise VattnError(f"decode of request rows {rows[need].tolist()} needs more than "
+                                 "one new page each")
+            self.late.claim(self.req_to_token, rows[need], slots[need], want[need] - 1, want[need])
+            self.bound[rows[need]] = want[need]
+        self.cache.step(slots, seq)
+        self.decode_us.observe((time.perf_counter() - start) * 1e6)
+        return slots
+
+    def _rows_of_rids(self, rids) -> np.ndarray | None:
+        if rids is None:
+            return None
+        try:
+            return np.fromiter((self._row_of_rid[rid] for rid in rids), dtype=np.int64,
+                               count=len(rids))
+        except KeyError:
+            return None
+
+    def prepare(self, rows, seq_lens, prefix_lens=None, *, last_pages=None, rids=None) -> np.ndarray:
+        """Slots of the batch's requests: departed rows released, new rows given slots with their
+        prefix hits mapped, and every page they were given since the last forward claimed (its
+        id is bound later, :class:`.late_ids.LateIds`).
 
         Parameters
         ----------
-        rows : sequence of int
-            ``req_pool_indices`` of the batch (host).
+        rows : sequence of int or torch.Tensor
+            ``req_pool_indices`` of the batch; read only when ``rids`` does not name every row
+            (a device tensor is then copied to the host).
         seq_lens : sequence of int
             Tokens of each request after this forward.
         prefix_lens : sequence of int, optional
             Extend: tokens already cached (``extend_prefix_lens``); a new row's are prefix hits
             (page-aligned: SGLang matches whole pages). ``None``: decode.
         last_pages : sequence of int, optional
-            Decode: the page id of each request's last page (:meth:`last_page_ids`); spares the
-            gather when each request needs at most that one.
+            Decode: the page id of each request's last page (:meth:`last_page_ids`), bound at
+            once.
+        rids : sequence of str, optional
+            The batch's request ids (rows were learnt when SGLang allocated them, :meth:`attach`).
 
         Returns
         -------
@@ -196,20 +288,19 @@ class RequestSlots:
         start = time.perf_counter()
         if self.req_to_token is None:
             raise ConfigError("RequestSlots.prepare before attach(req_to_token_pool)")
+        self.late.resolve(wait=True)                 # a hit may name a page claimed earlier
         self._release_departed()
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        known = self._rows_of_rids(rids)
+        if known is None:
+            self.device_reads += isinstance(rows, torch.Tensor)
+            known = rows.tolist() if isinstance(rows, torch.Tensor) else rows
+        rows = np.asarray(known, dtype=np.int64).reshape(-1)
         seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
         if not rows.size:
             return rows
         ps = self.page_size
         want = -(-seq // ps)
         new = self.slot_of[rows] < 0
-        first = np.where(new, 0, self.bound[rows])
-        need = np.flatnonzero(want > first)
-        if last_pages is not None and (want[need] - first[need] == 1).all():
-            ids = [[int(x)] for x in np.asarray(last_pages, dtype=np.int64)[need]]
-        else:
-            ids = self._page_ids(rows[need], first[need], want[need])
         hits = np.zeros(rows.size, dtype=np.int64)
         if new.any():
             if prefix_lens is None:
@@ -220,41 +311,52 @@ class RequestSlots:
                 raise SlotError(f"new request rows {rows[new].tolist()} start after prefixes "
                                  f"{prefix[new].tolist()}, not whole pages of {ps}")
             hits[new] = prefix[new] // ps
-            self._acquire(rows, seq, new, hits, need, ids)
-        items = [(int(self.slot_of[rows[i]]), int(first[i]), page_ids, int(hits[i]))
-                 for i, page_ids in zip(need.tolist(), ids)]
-        failed = self.cache.bind_many(items) if items else []
-        if failed:
-            raise VattnError(f"vattn could not map the page-sets of slots {failed} although SGLang "
-                             f"allocated their pages; capacity: {self.cache.capacity()}")
-        self.bound[rows[need]] = want[need]
+        hit_at = np.flatnonzero(hits)            # the only page ids needed before the forward
+        hit_ids = self._page_ids(rows[hit_at], np.zeros_like(hit_at), hits[hit_at])
+        if new.any():
+            self._acquire(rows, seq, new, dict(zip(hit_at.tolist(), hit_ids)))
         slots = self.slot_of[rows]
+        if hit_at.size:
+            items = [(int(slots[i]), 0, ids, len(ids)) for i, ids in zip(hit_at.tolist(), hit_ids)]
+            self._bind(items)
+        low = np.where(new, hits, self.bound[rows])
+        need = np.flatnonzero(want > low)
+        if need.size and last_pages is not None and (want[need] - low[need] == 1).all():
+            last = np.asarray(last_pages, dtype=np.int64)[need]
+            self._bind([(int(slots[i]), int(low[i]), [int(pid)], 0)
+                        for i, pid in zip(need.tolist(), last.tolist())])
+        elif need.size:
+            self.late.claim(self.req_to_token, rows[need], slots[need], low[need], want[need])
+        self.bound[rows[need]] = want[need]
+        for row, rid in zip(rows.tolist(), rids if rids is not None else ()):
+            self._learn(rid, row)
         self.cache.step(slots, seq)              # lengths, and pages mapped ahead in the background
         hist = self.decode_us if prefix_lens is None else self.extend_us
         hist.observe((time.perf_counter() - start) * 1e6)
         return slots
 
+    def _bind(self, items) -> None:
+        failed = self.cache.bind_many(items)
+        if failed:
+            raise VattnError(f"vattn could not map the page-sets of slots {failed} although SGLang "
+                             f"allocated their pages; capacity: {self.cache.capacity()}")
+
     def _page_ids(self, rows: np.ndarray, first: np.ndarray, want: np.ndarray) -> list[list[int]]:
-        """Page ids ``first .. want - 1`` of each row, from ``req_to_token`` (one gather)."""
+        """Page ids ``first .. want - 1`` of each row, from ``req_to_token`` (one gather, one
+        copy to the host)."""
         if not rows.size:
             return []
-        counts = want - first
-        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        cols = (np.repeat(first, counts) + offsets) * self.page_size
-        dev = self.req_to_token.device
-        flat = self.req_to_token[torch.from_numpy(np.repeat(rows, counts)).to(dev),
-                                 torch.from_numpy(cols).to(dev)]
+        self.device_reads += 1
+        flat, counts = page_cells(self.req_to_token, self.page_size, rows, first, want)
         ids = (flat.to("cpu", torch.int64) // self.page_size).numpy()
         return [part.tolist() for part in np.split(ids, np.cumsum(counts)[:-1])]
 
-    def _acquire(self, rows, seq, new, hits, need, ids) -> None:
+    def _acquire(self, rows, seq, new, hit_ids: dict) -> None:
         """Slots for the new rows; a row with prefix hits prefers the idle slot where the last
         hit page was mapped (a repeated prompt, the next turn of a conversation)."""
-        ids_of = dict(zip(need.tolist(), ids))
         for i in np.flatnonzero(new).tolist():
-            h = int(hits[i])
-            prefer = ids_of[i][h - 1] if h and i in ids_of else None
-            slot = self.cache.acquire(expected_len=int(seq[i]), prefer=prefer)
+            ids = hit_ids.get(i)
+            slot = self.cache.acquire(expected_len=int(seq[i]), prefer=ids[-1] if ids else None)
             self.slot_of[rows[i]] = slot
             self.bound[rows[i]] = 0
             self._row_of[slot] = int(rows[i])
@@ -262,6 +364,7 @@ class RequestSlots:
     def _release_departed(self) -> None:
         if not self._departed:
             return
+        self.late.resolve(wait=True)                 # a released slot's pages keep their names
         for row in self._departed:
             slot = int(self.slot_of[row])
             if slot >= 0:

@@ -5,7 +5,9 @@ has page-sets besides the padding slot's. A request is admitted with a hit on a 
 (any prefix of another request's blocks whose blocks are all still cached) plus fresh blocks;
 fresh blocks come from the engine's free list, never-used ones first, else the least recently
 freed cached block (its content is evicted); a running request grows by fresh blocks; a finished
-request's blocks stay cached; the engine may also evict cached blocks outright, forgetting their
+request's blocks stay cached (SGLang's allocator names a new block only after the step that writes
+it: the position is claimed first, the key bound at the start of the next rule, before any hit,
+free, eviction or release); the engine may also evict cached blocks outright, forgetting their
 keys (SGLang's radix cache: the page-sets stay mapped where they were, dead content, and their
 ids go back to the free list). Every fresh page-set is written with a value of its own through
 the slot's virtual addresses (host backend: one memfd page mapped at several addresses).
@@ -48,6 +50,7 @@ class SharingMachine(RuleBasedStateMachine):
         self.value: dict[int, int] = {}                      # block -> value written into it
         self.running: dict[int, list[int]] = {}              # slot -> its blocks, in order
         self.chains: list[list[int]] = []                     # block lists of earlier requests
+        self.pending: list[tuple[int, int, int]] = []          # (slot, index, block) claimed, unnamed
         self.serial = 0
 
     def teardown(self):
@@ -65,7 +68,9 @@ class SharingMachine(RuleBasedStateMachine):
     def _free_count(self) -> int:
         return len(self.never_used) + len(self.cached)
 
-    def _fresh(self, n: int) -> list[int]:
+    def _fresh(self, n: int, forget: bool = False) -> list[int]:
+        """``n`` blocks off the free list; ``forget``: an evicted block's key is dropped now (SGLang
+        frees it when it evicts), else the bind that reuses it drops it (vLLM)."""
         out = []
         for _ in range(n):
             if self.never_used:
@@ -73,6 +78,8 @@ class SharingMachine(RuleBasedStateMachine):
             else:
                 block, _ = self.cached.popitem(last=False)   # evicted: its content is dead
                 self.value.pop(block, None)
+                if forget:
+                    self.cache.forget([block])
                 out.append(block)
         return out
 
@@ -88,6 +95,12 @@ class SharingMachine(RuleBasedStateMachine):
             prefix.append(block)
         return prefix
 
+    def _resolve(self) -> None:
+        """Name the claimed page-sets (SGLang: the page ids copied to the host one step late)."""
+        for slot, index, block in self.pending:
+            assert self.cache.bind(slot, index, [block]), "bind after claim ran short"
+        self.pending = []
+
     def _write(self, slot: int, index: int, block: int) -> None:
         self.serial = self.serial % 30000 + 1
         self.value[block] = self.serial
@@ -97,6 +110,7 @@ class SharingMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.running) < SLOTS)
     @rule(choice=st.integers(0, 50), hit_len=st.integers(0, 4), fresh=st.integers(1, 3))
     def admit(self, choice, hit_len, fresh):
+        self._resolve()
         hit = self._hit(choice, hit_len)
         fresh = min(fresh, 6 - len(hit))
         if fresh > self._free_count() - sum(b in self.cached for b in hit):
@@ -114,15 +128,22 @@ class SharingMachine(RuleBasedStateMachine):
         self._step(slot)
 
     @precondition(lambda self: self.running)
-    @rule(pick=st.integers(0, SLOTS - 1), n=st.integers(1, 2))
-    def grow(self, pick, n):
+    @rule(pick=st.integers(0, SLOTS - 1), n=st.integers(1, 2), late=st.booleans())
+    def grow(self, pick, n, late):
+        self._resolve()
         slot = sorted(self.running)[pick % len(self.running)]
         blocks = self.running[slot]
         n = min(n, 6 - len(blocks), self._free_count())
         if n <= 0:
             return
-        new = self._fresh(n)
-        assert self.cache.bind(slot, len(blocks), new), "bind ran short"
+        new = self._fresh(n, forget=late)
+        if late:
+            for j, b in enumerate(new):
+                assert self.cache.claim(slot, len(blocks) + j), "claim ran short"
+                self.pending.append((slot, len(blocks) + j, b))
+            SharingMachine.totals["claimed"] = SharingMachine.totals.get("claimed", 0) + n
+        else:
+            assert self.cache.bind(slot, len(blocks), new), "bind ran short"
         for j, b in enumerate(new):
             self._write(slot, len(blocks) + j, b)
         blocks += new
@@ -136,6 +157,7 @@ class SharingMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.running)
     @rule(pick=st.integers(0, SLOTS - 1))
     def finish(self, pick):
+        self._resolve()
         slot = sorted(self.running)[pick % len(self.running)]
         blocks = self.running.pop(slot)
         self.cache.release(slot)
@@ -148,6 +170,7 @@ class SharingMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.cached)
     @rule(n=st.integers(1, 3))
     def evict(self, n):
+        self._resolve()
         for _ in range(min(n, len(self.cached))):
             block, _ = self.cached.popitem(last=False)
             self.value.pop(block)
@@ -157,6 +180,7 @@ class SharingMachine(RuleBasedStateMachine):
 
     @rule(pages=st.integers(0, 8))
     def reclaim(self, pages):
+        self._resolve()
         self.cache.reclaim(pages)
 
     @invariant()
@@ -168,7 +192,7 @@ class SharingMachine(RuleBasedStateMachine):
             got = self.kv[:, slot, :len(blocks) * T].reshape(2, len(blocks), T, -1)
             want = np.array([self.value[b] for b in blocks], dtype=np.int16)[None, :, None, None]
             assert (got == want).all(), f"slot {slot} reads other data than its blocks {blocks}"
-        held = sum(1 for b in self.value if b in self.cached or b in self._in_use())
+        held = sum(1 for b in self.value if b in self.cached or b in self._in_use()) - len(self.pending)
         assert c.metrics()["keys_held"] >= held
 
 
@@ -180,4 +204,4 @@ def test_sharing_state_machine():
     t = SharingMachine.totals
     # the run exercised what it is about: hits mapped from other slots, and block reuse
     assert t["prefix_hits"] > 100 and t["pages_aliased"] > 100 and t["evicting"] > 10, t
-    assert t["page_sets_moved"] > 10 and t["forgotten"] > 10, t
+    assert t["page_sets_moved"] > 10 and t["forgotten"] > 10 and t["claimed"] > 50, t

@@ -9,6 +9,8 @@
 #   identity       small random Llama (4 layers, d=128, bf16 weights), 32 prompts, stock vs vattn
 #   decode-heavy   Llama-3-8B shape, load_format dummy, 256 x 512 in / 512 out
 #   prefill-heavy  Llama-3-8B shape, load_format dummy, 32 x 16K in / 64 out
+#   long-context   8 x 64K in / 64 out;  shared-prefix  128 x (4,096 shared + 256 own) / 128
+#   (VATTN_SHAPE=llama-1b-shape: the 1B-class shape for every throughput stage)
 # Default: "identity decode-heavy prefill-heavy". Every stage runs under `timeout` and is skipped
 # (and says so) when less than its minimum is left of VATTN_BUDGET_S (default 530 s, < 9 min).
 # Budgets (min / max s): tests 30/90, kernels 20/120, identity 200/300, decode-heavy 150/260, prefill-heavy
@@ -53,13 +55,13 @@ cat "$R/env.txt" >> "$SUM"
 G="python3 -m vattn.bench.gpu.sglang_stages"
 for stage in ${VATTN_STAGES:-identity decode-heavy prefill-heavy}; do
   case "$stage" in
-    tests) run_stage tests 30 90 python3 -m pytest -q tests/adapters/sglang tests/conformance/sglang \
+    tests) run_stage tests 30 90 python3 -u -X faulthandler -m pytest -v tests/adapters/sglang tests/conformance/sglang \
              tests/bench/sglang -p no:cacheprovider ;;
     kernels) run_stage kernels 20 120 python3 -m pytest -q -m gpu -k sgl_fa3 -p no:cacheprovider \
                tests/core/test_ops_decode.py tests/core/test_ops_prefill.py ;;
     identity) run_stage identity 200 300 $G identity --out "$R" ;;
-    decode-heavy|prefill-heavy) run_stage "$stage" 150 "${VATTN_STAGE_MAX_S:-260}" $G "$stage" --out "$R" ;;
-    *) echo "== unknown stage $stage (tests | kernels | identity | decode-heavy | prefill-heavy)" | tee -a "$SUM" ;;
+    decode-heavy|prefill-heavy|long-context|shared-prefix) run_stage "$stage" 150 "${VATTN_STAGE_MAX_S:-260}" $G "$stage" --out "$R" ;;
+    *) echo "== unknown stage $stage (tests | kernels | identity | decode-heavy | prefill-heavy | long-context | shared-prefix)" | tee -a "$SUM" ;;
   esac
 done
 echo "== total $(( $(date +%s) - START )) s" | tee -a "$SUM"

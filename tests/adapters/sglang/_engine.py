@@ -43,9 +43,13 @@ def kv_of(tokens, position: int, layer: int) -> tuple[torch.Tensor, torch.Tensor
     return kv[0], kv[1]
 
 
+_RIDS = iter(range(1 << 62))
+
+
 def new_req(tokens) -> SimpleNamespace:
     """A request as SGLang's caches read it."""
-    req = SimpleNamespace(origin_input_ids=list(tokens), output_ids=[], req_pool_idx=None,
+    req = SimpleNamespace(rid=f"req-{next(_RIDS)}", origin_input_ids=list(tokens), output_ids=[],
+                          req_pool_idx=None,
                           prefix_indices=torch.empty(0, dtype=torch.int64), last_node=None,
                           cache_protected_len=0, extra_key=None, inflight_middle_chunks=0,
                           kv_committed_len=0, priority=0)
@@ -56,7 +60,8 @@ def new_req(tokens) -> SimpleNamespace:
 class Engine:
     """SGLang's memory classes + vattn's pool / allocator / backend, driven step by step."""
 
-    def __init__(self, *, reqs=6, ctx=128, page_sets=None, radix=True, map_ahead=0):
+    def __init__(self, *, reqs=6, ctx=128, page_sets=None, radix=True, map_ahead=0, rids=True):
+        self.rids = rids              # False: forward batches without request ids (decode reads rows)
         page_sets = page_sets or reqs * -(-ctx // PAGE)
         self.cache = make_cache(num_layers=L, num_kv_heads=HK, head_dim=D, dtype=torch.float32,
                                 max_requests=reqs + 2, max_context=ctx, device="cpu",
@@ -149,7 +154,8 @@ class Engine:
                           out_cache_loc=loc, seq_lens_sum=sum(seqs), seq_lens_cpu=t(seqs),
                           extend_num_tokens=sum(ext), extend_prefix_lens=t(prefixes),
                           extend_seq_lens=t(ext), extend_prefix_lens_cpu=prefixes,
-                          extend_seq_lens_cpu=ext)
+                          extend_seq_lens_cpu=ext,
+                          rids=[r.rid for r in reqs] if self.rids else None)
         self.backend.init_forward_metadata(fb)
         for layer in self.layers:
             kv = [kv_of(r.get_fill_ids(), pos, layer.layer_id)

@@ -25,8 +25,9 @@ def test_indices_are_sglang_page_ids_and_available_size_is_physical():
     assert len(pages) == 3 and 0 not in pages                      # page 0 is SGLang's padding
     assert all(x % PAGE == t % PAGE for t, x in enumerate(row))     # page-aligned per request
     assert e.alloc.available_size() == 9 * PAGE
-    assert e.cache.metrics()["keys_held"] == 3                       # each page id names a page-set
+    assert e.cache.metrics()["keys_held"] == 0                       # claimed, named one step later
     e.decode([a])
+    assert e.cache.metrics()["keys_held"] == 3                       # each page id names a page-set
     e.finish(a)                                                      # ChunkCache frees everything
     assert e.alloc.available_size() == 12 * PAGE
     assert e.alloc.live_slots() == frozenset()

@@ -177,21 +177,51 @@ def test_bad_input_is_refused_with_typed_errors():
     e.cache.audit()
 
 
-@pytest.mark.parametrize("radix", [True, False])
-def test_many_requests_churn_without_leaks(radix):
+def test_a_page_claimed_in_decode_is_named_before_its_free_and_hit_after_it():
+    """A decode step entering a new page claims it and learns its id one step later; a free of
+    that id in between (a retract) names it first, so nothing leaks; a later request hits a page
+    that was claimed this way."""
+    e = Engine()
+    requests = e.pool.requests
+    a = new_req(P)
+    e.admit([a])
+    for _ in range(9):                                   # 40 -> 49 tokens: page 3 is entered
+        e.decode([a])
+    assert len(requests.late) == 1 and requests.device_reads == 0
+    page = int(e.r2t.req_to_token[a.req_pool_idx, 3 * PAGE]) // PAGE
+    assert not e.cache.holds(page)                       # claimed, not named yet
+    e.retract(a)                                         # frees it: named, then forgotten
+    assert not requests.late and not e.cache.holds(page)
+    settle(e)
+    e.evict_all()
+    assert e.alloc.available_size() == e.alloc.size and e.cache.metrics()["keys_held"] == 0
+    b = new_req(P)
+    e.admit([b])
+    for _ in range(25):                                  # 40 -> 65: pages 3 and 4 claimed
+        e.decode([b])
+    e.finish(b)
+    c = new_req(b.get_fill_ids() + [5, 6])
+    assert e.admit([c]) == [4 * PAGE]                    # hits page 3, claimed in decode
+    e.cache.audit()
+
+
+@pytest.mark.parametrize("radix,rids", [(True, True), (False, True), (True, False)])
+def test_many_requests_churn_without_leaks(radix, rids):
     """Random admission / decode / finish / retract / evict against SGLang's classes, with
-    prompts sharing prefixes of varied lengths (not multiples of the page)."""
+    prompts sharing prefixes of varied lengths (not multiples of the page); with request ids
+    in the forward batches (SGLang's) decode never reads rows from the device, without them it
+    reads them every step."""
     import random
     rng = random.Random(5 if radix else 6)
-    e = Engine(reqs=5, page_sets=24, radix=radix)
+    e = Engine(reqs=5, page_sets=24, radix=radix, rids=rids)
     prefixes = [list(range(1000 + 97 * i, 1000 + 97 * i + n)) for i, n in enumerate((21, 37, 50))]
-    running = []
+    running, hit_admissions = [], 0
     for step in range(60):
         roll = rng.random()
         if roll < 0.35 and len(running) < 4:
             req = new_req(rng.choice(prefixes) + [rng.randrange(50)] * rng.randrange(1, 20))
             if e.idle_free() > len(req.origin_input_ids) + 4 * PAGE:
-                e.admit([req])
+                hit_admissions += e.admit([req])[0] > 0
                 running.append(req)
         elif roll < 0.8 and running:
             if all(len(r.get_fill_ids()) < 120 for r in running) and e.idle_free() > 4 * PAGE:
@@ -206,6 +236,8 @@ def test_many_requests_churn_without_leaks(radix):
     e.evict_all()
     assert e.alloc.available_size() == e.alloc.size
     assert e.pool.requests.held_pages() == 0
+    reads = e.pool.requests.device_reads
+    assert reads == hit_admissions if rids else reads > hit_admissions   # with ids: hits only
     e.cache.audit()
 
 

@@ -1,0 +1,95 @@
+"""Page-sets a request writes before vattn knows the SGLang page ids that name them.
+
+SGLang's paged allocator hands out page ids on the device (its free list is a device tensor).
+Copying them to the host before a forward would make the host wait for the GPU and cost SGLang's
+overlap scheduler its overlap, so :class:`LateIds` *claims* each new page-set
+(:meth:`VirtualKVCache.claim`: mapped, any cached block moved out, scrubbed; the request may
+write it at once), gathers the page ids on the device into pinned host memory, and binds them
+(:meth:`VirtualKVCache.bind`) once that copy has landed: at the next forward, or at once, waiting
+for the copy, before anything else can use them (a prefix hit, a free, a release).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vattn.core.errors import VattnError
+
+__all__ = ["LateIds", "page_cells"]
+
+
+def page_cells(req_to_token: torch.Tensor, page_size: int, rows: np.ndarray, first: np.ndarray,
+               end: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    """``req_to_token`` at the first token of pages ``first[i] .. end[i] - 1`` of row
+    ``rows[i]``, flat (one device gather, nothing copied to the host), and the counts per row."""
+    counts = end - first
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    cols = (np.repeat(first, counts) + offsets) * page_size
+    dev = req_to_token.device
+    cells = req_to_token[torch.from_numpy(np.repeat(rows, counts)).to(dev, non_blocking=True),
+                         torch.from_numpy(cols).to(dev, non_blocking=True)]
+    return cells, counts
+
+
+class LateIds:
+    """Claimed page-sets waiting for their page ids, oldest first.
+
+    Parameters
+    ----------
+    cache : VirtualKVCache
+        The pool's cache.
+    page_size : int
+        SGLang's page size (a token index ``// page_size`` is its page id).
+    """
+
+    def __init__(self, cache, page_size: int):
+        self.cache, self.page_size = cache, page_size
+        self._queue: list[tuple] = []        # (slots, indices, host token indices, event)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def claim(self, req_to_token: torch.Tensor, rows: np.ndarray, slots: np.ndarray,
+              low: np.ndarray, high: np.ndarray) -> None:
+        """Claim page-sets ``low[i] .. high[i] - 1`` of ``slots[i]`` (request row ``rows[i]``
+        writes them in the coming forward) and start copying their page ids to the host.
+
+        Raises
+        ------
+        VattnError
+            The pool ran short although SGLang allocated the pages (a bug, not memory pressure).
+        """
+        counts = high - low
+        slot_rep = np.repeat(slots, counts)
+        index = np.repeat(low, counts) + np.arange(int(counts.sum())) \
+            - np.repeat(np.cumsum(counts) - counts, counts)
+        for slot, i in zip(slot_rep.tolist(), index.tolist()):
+            if not self.cache.claim(slot, i):
+                raise VattnError(f"vattn could not map page-set {i} of slot {slot} although SGLang "
+                                 f"allocated its page; capacity: {self.cache.capacity()}")
+        ids, _ = page_cells(req_to_token, self.page_size, rows, low, high)
+        if ids.device.type == "cpu":
+            host, event = ids, None
+        else:
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._queue.append((slot_rep, index, host, event))
+
+    def resolve(self, wait: bool) -> None:
+        """Bind the claimed page-sets to their page ids, oldest first; ``wait=False`` stops at
+        the first copy still in flight (SGLang's next forward: normally none is)."""
+        while self._queue:
+            slots, index, host, event = self._queue[0]
+            if event is not None:
+                if not wait and not event.query():
+                    return
+                event.synchronize()
+            ids = (host.to(torch.int64).numpy() // self.page_size).tolist()
+            items = [(s, i, [pid], 0) for s, i, pid in zip(slots.tolist(), index.tolist(), ids)]
+            failed = self.cache.bind_many(items)
+            if failed:
+                raise VattnError(f"vattn could not bind the claimed page-sets of slots {failed}")
+            self._queue.pop(0)
