@@ -8,7 +8,13 @@ differs:
 * SGLang's page size is one vattn page-set, and ``num_pages`` is what the pool's page budget
   holds: ``available_size`` counts physical memory;
 * a page id returning to the free list goes through :meth:`RequestSlots.on_free_pages` (its key
-  is forgotten; an id its writer still reads is held back until that request leaves);
+  is forgotten; an id its writer still reads is held back until that request leaves). On the
+  GPU the freed ids reach the host without waiting: SGLang frees while the next forward runs
+  (its overlap scheduler), and a copy to the host there would wait for that forward. They are
+  copied into pinned memory and settled when SGLang next asks for ``available_size`` or
+  allocates, once the copy has landed (an allocation that needs them waits for it). Until then
+  they are not counted free: SGLang sees them one scheduling round later, never an id that will
+  be held back;
 * on the CPU the allocation runs SGLang's reference (non-Triton) path.
 
 Indices do not address rows: the attention backend maps each request's page ids into its own
@@ -23,6 +29,7 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator, al
 
 from vattn.core.errors import ConfigError, UnsupportedError
 
+from .late_ids import copy_to_host
 from .metrics import write_if_asked
 from .pool import VattnMHATokenToKVPool
 
@@ -71,8 +78,12 @@ class VattnTokenAllocator(PagedTokenToKVPoolAllocator):
         #: host time vattn adds per extend / decode forward and per free (microseconds)
         self.extend_us, self.decode_us = self.requests.extend_us, self.requests.decode_us
         self.free_us = self.requests.free_us
+        self._limbo: list[tuple[torch.Tensor, object]] = []   # freed ids on their way to the host
+        self._limbo_pages = 0
         super().__init__(int(size), page_size, pool.dtype, pool.device, pool, need_sort)
         self._on_cpu = torch.device(pool.device).type == "cpu"
+        #: settle frees at the next allocation (default on the GPU; the CPU tests turn it on)
+        self.defer_frees = not self._on_cpu
 
     @classmethod
     def for_pool(cls, pool: VattnMHATokenToKVPool) -> "VattnTokenAllocator":
@@ -88,6 +99,7 @@ class VattnTokenAllocator(PagedTokenToKVPoolAllocator):
     def clear(self) -> None:
         """SGLang's reset (start, flush): every slot released, every page id forgotten."""
         if hasattr(self, "requests"):
+            self.drain_frees(wait=True)
             self.requests.reset()
             self.cache.forget(range(1, self.size // self.page_size + 1))
         super().clear()
@@ -99,6 +111,7 @@ class VattnTokenAllocator(PagedTokenToKVPoolAllocator):
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
                      extend_num_tokens, num_new_pages=None, **kwargs):
         """SGLang's ``alloc_extend`` (its reference path on the CPU)."""
+        self._drain_for(int(extend_num_tokens) // self.page_size + len(prefix_lens_cpu) + 1)
         if not self._on_cpu:
             return super().alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
                                         last_loc, extend_num_tokens, num_new_pages)
@@ -114,6 +127,7 @@ class VattnTokenAllocator(PagedTokenToKVPoolAllocator):
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc, **kwargs):
         """SGLang's ``alloc_decode`` (on the CPU: a new page where the token starts one)."""
+        self._drain_for(len(seq_lens_cpu))
         if not self._on_cpu:
             return super().alloc_decode(seq_lens, seq_lens_cpu, last_loc)
         starts = (seq_lens_cpu.long() - 1) % self.page_size == 0
@@ -130,7 +144,40 @@ class VattnTokenAllocator(PagedTokenToKVPoolAllocator):
         ids = torch.cat([p.reshape(-1) for p in page_ids]) if page_ids else torch.empty(0)
         if not ids.numel():
             return
-        back = self.requests.on_free_pages(ids.to("cpu", torch.int64).numpy())
+        if not self.defer_frees:
+            self._settle(ids.to("cpu", torch.int64).numpy())
+            return
+        self._limbo.append(copy_to_host(ids))
+        self._limbo_pages += ids.numel()
+
+    def available_size(self) -> int:
+        """SGLang's free tokens, after settling the freed ids whose copy has landed."""
+        if self._limbo:
+            self.drain_frees(wait=False)
+        return super().available_size()
+
+    def drain_frees(self, wait: bool) -> None:
+        """Settle the freed ids whose copy to the host has landed (``wait``: all of them)."""
+        while self._limbo:
+            host, event = self._limbo[0]
+            if event is not None:
+                if not wait and not event.query():
+                    return
+                event.synchronize()
+            self._limbo.pop(0)
+            self._limbo_pages -= host.numel()
+            self._settle(host.to(torch.int64).numpy())
+
+    def _drain_for(self, pages: int) -> None:
+        """Before an allocation of up to ``pages`` pages: settle what has landed, and wait for
+        the rest only if SGLang's free list would fall short without it."""
+        if self._limbo:
+            self.drain_frees(wait=False)
+            if self._limbo and len(self.free_pages) < pages:
+                self.drain_frees(wait=True)
+
+    def _settle(self, ids: np.ndarray) -> None:
+        back = self.requests.on_free_pages(ids)
         if back.size:
             super()._release_page_ids(torch.from_numpy(back).to(self.device))
 

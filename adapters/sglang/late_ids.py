@@ -16,7 +16,19 @@ import torch
 
 from vattn.core.errors import VattnError
 
-__all__ = ["LateIds", "page_cells"]
+__all__ = ["LateIds", "page_cells", "copy_to_host"]
+
+
+def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """Start copying ``t`` into pinned host memory without waiting: ``(host, event)``; the copy
+    has landed once ``event`` has (``None``: ``t`` was on the host, copied already)."""
+    if t.device.type == "cpu":
+        return t.clone(), None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 def page_cells(req_to_token: torch.Tensor, page_size: int, rows: np.ndarray, first: np.ndarray,
@@ -69,14 +81,7 @@ class LateIds:
                 raise VattnError(f"vattn could not map page-set {i} of slot {slot} although SGLang "
                                  f"allocated its page; capacity: {self.cache.capacity()}")
         ids, _ = page_cells(req_to_token, self.page_size, rows, low, high)
-        if ids.device.type == "cpu":
-            host, event = ids, None
-        else:
-            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host.copy_(ids, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        self._queue.append((slot_rep, index, host, event))
+        self._queue.append((slot_rep, index, *copy_to_host(ids)))
 
     def resolve(self, wait: bool) -> None:
         """Bind the claimed page-sets to their page ids, oldest first; ``wait=False`` stops at

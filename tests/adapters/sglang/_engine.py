@@ -60,7 +60,8 @@ def new_req(tokens) -> SimpleNamespace:
 class Engine:
     """SGLang's memory classes + vattn's pool / allocator / backend, driven step by step."""
 
-    def __init__(self, *, reqs=6, ctx=128, page_sets=None, radix=True, map_ahead=0, rids=True):
+    def __init__(self, *, reqs=6, ctx=128, page_sets=None, radix=True, map_ahead=0, rids=True,
+                 defer_frees=False):
         self.rids = rids              # False: forward batches without request ids (decode reads rows)
         page_sets = page_sets or reqs * -(-ctx // PAGE)
         self.cache = make_cache(num_layers=L, num_kv_heads=HK, head_dim=D, dtype=torch.float32,
@@ -69,6 +70,7 @@ class Engine:
                                 page_budget=(page_sets + 2) * L * PAGE * TOKEN_BYTES)
         self.pool = VattnMHATokenToKVPool.from_cache(self.cache, page_size=PAGE)
         self.alloc = VattnTokenAllocator(page_sets * PAGE, PAGE, torch.float32, "cpu", self.pool)
+        self.alloc.defer_frees = defer_frees    # as on the GPU: frees settled at the next alloc
         self.r2t = ReqToTokenPool(size=reqs, max_context_len=ctx, device="cpu",
                                   enable_memory_saver=False)
         if radix:

@@ -101,16 +101,17 @@ def test_preempted_sharer_frees_only_its_own_pages_and_re_hits():
     e.cache.audit()
 
 
-def test_duplicates_freed_while_their_writer_reads_them_are_held_back():
-    e = Engine()
+@pytest.mark.parametrize("defer", [False, True])
+def test_duplicates_freed_while_their_writer_reads_them_are_held_back(defer):
+    e = Engine(defer_frees=defer)
     a, x = new_req(P + [1] * 8), new_req(P + [1] * 8)   # same prompt, one batch: both miss
     e.admit([a, x])
     free_before = e.alloc.available_size()
     e.unfinished(a)                                  # A inserts first
     e.unfinished(x)                                  # X's copies are duplicates: freed by SGLang
     requests = e.pool.requests
-    assert requests.held_pages() == 3                # X still reads its own 3 pages
-    assert e.alloc.available_size() == free_before   # so SGLang does not count them free yet
+    assert e.alloc.available_size() == free_before   # X still reads its own 3 pages: not free
+    assert requests.held_pages() == 3                # (deferred: settled by that count)
     for _ in range(4):
         e.decode([a, x])                             # X reads its own copy: still exact
     e.finish(x)
@@ -205,15 +206,40 @@ def test_a_page_claimed_in_decode_is_named_before_its_free_and_hit_after_it():
     e.cache.audit()
 
 
-@pytest.mark.parametrize("radix,rids", [(True, True), (False, True), (True, False)])
-def test_many_requests_churn_without_leaks(radix, rids):
+def test_deferred_frees_settle_when_sglang_next_counts_or_allocates():
+    """On the GPU freed page ids reach the host without waiting; they are settled (keys
+    forgotten, ids back on SGLang's free list) when SGLang next asks for its free size or
+    allocates, not counted free before."""
+    e = Engine(radix=False, defer_frees=True)
+    a = new_req(P)
+    e.admit([a])
+    e.decode([a])                                        # names a's 3 claimed pages
+    assert e.cache.metrics()["keys_held"] == 3
+    e.finish(a)                                          # ChunkCache frees all of them
+    assert len(e.alloc._limbo) == 1 and len(e.alloc.free_pages) == e.alloc.size // PAGE - 3
+    assert e.cache.metrics()["keys_held"] == 3           # not settled yet
+    e.admit([new_req(P[::-1])])                          # its allocation settles them first
+    assert not e.alloc._limbo and e.cache.metrics()["keys_held"] == 0
+    b = new_req(P)
+    e.admit([b])
+    e.finish(b)
+    assert e.alloc._limbo
+    assert e.alloc.available_size() == e.alloc.size - 3 * PAGE   # settled by the count itself
+    assert not e.alloc._limbo
+    e.cache.audit()
+
+
+@pytest.mark.parametrize("radix,rids,defer", [(True, True, True), (False, True, True),
+                                               (True, False, False), (True, True, False)])
+def test_many_requests_churn_without_leaks(radix, rids, defer):
     """Random admission / decode / finish / retract / evict against SGLang's classes, with
     prompts sharing prefixes of varied lengths (not multiples of the page); with request ids
     in the forward batches (SGLang's) decode never reads rows from the device, without them it
-    reads them every step."""
+    reads them every step. ``defer``: freed page ids are settled at the next allocation (the
+    GPU's way), so SGLang's checks see them free before vattn has forgotten them."""
     import random
     rng = random.Random(5 if radix else 6)
-    e = Engine(reqs=5, page_sets=24, radix=radix, rids=rids)
+    e = Engine(reqs=5, page_sets=24, radix=radix, rids=rids, defer_frees=defer)
     prefixes = [list(range(1000 + 97 * i, 1000 + 97 * i + n)) for i, n in enumerate((21, 37, 50))]
     running, hit_admissions = [], 0
     for step in range(60):
@@ -238,6 +264,8 @@ def test_many_requests_churn_without_leaks(radix, rids):
     assert e.pool.requests.held_pages() == 0
     reads = e.pool.requests.device_reads
     assert reads == hit_admissions if rids else reads > hit_admissions   # with ids: hits only
+    e.alloc.drain_frees(wait=True)
+    assert e.alloc.available_size() == e.alloc.size and e.cache.metrics()["keys_held"] == 0
     e.cache.audit()
 
 
