@@ -20,10 +20,6 @@ vLLM's scheduler, which preempts it or finishes it with an error (the hook in :m
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import os
-import re
 from collections import deque
 from dataclasses import dataclass
 
@@ -32,16 +28,12 @@ import torch
 from vattn.core import KVCacheConfig, VirtualKVCache
 from vattn.core.errors import ConfigError, DriverError, SlotError, UnsupportedError, VattnError
 from vattn.core import ops
-from vattn.core.layout import KVLayout
+
+from .registry import current, driver_wrapper, install, installed, set_driver_wrapper, uninstall
+from .sizing import CPU_KERNEL_BLOCK, config_from_vllm, layer_index
 
 __all__ = ["VattnRuntime", "StepPlan", "current", "install", "uninstall", "layer_index",
            "config_from_vllm", "CPU_KERNEL_BLOCK", "FAILED_ATTR", "set_driver_wrapper", "installed"]
-
-#: vLLM's ``CPU_ATTN`` backend supports kernel block sizes that are multiples of 32
-#: (``CPUAttentionBackend.get_supported_kernel_block_sizes``): block sizes vattn suggests are too
-CPU_KERNEL_BLOCK = 32
-
-_RUNTIME: list["VattnRuntime"] = []   # the worker process's runtime (at most one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +93,10 @@ class VattnRuntime:
                  retries: int = 2, max_preemptions: int = 3):
         if retries < 0 or max_preemptions < 0:
             raise ConfigError(f"retries and max_preemptions must be >= 0, got {retries}, {max_preemptions}")
-        driver = None
-        if _DRIVER_WRAP:
+        driver, wrap = None, driver_wrapper()
+        if wrap is not None:
             from vattn.core.driver import get_driver
-            driver = _DRIVER_WRAP[0](get_driver(config.torch_device, granularity=config.page_bytes))
+            driver = wrap(get_driver(config.torch_device, granularity=config.page_bytes))
         self._driver = driver                  # closed with the runtime (the cache does not own it)
         try:
             self.cache = VirtualKVCache(config, driver=driver)
@@ -531,99 +523,3 @@ class VattnRuntime:
         if self._driver is not None and hasattr(self._driver, "close"):
             self._driver.close()
         self._driver = None
-
-
-_DRIVER_WRAP: list = []   # at most one callable: driver -> driver (set_driver_wrapper)
-
-
-def set_driver_wrapper(wrap=None) -> None:
-    """Build every later runtime's cache on ``wrap(driver)`` instead of the device's driver
-    (e.g. a :class:`vattn.core.driver.FaultInjector`, for tests and ``vattn bench faults``);
-    ``None`` restores the default. In-process only: the engine core must run in this process."""
-    _DRIVER_WRAP.clear()
-    if wrap is not None:
-        _DRIVER_WRAP.append(wrap)
-
-
-def config_from_vllm(vllm_config, *, device: str, num_blocks: int | None = None) -> KVCacheConfig:
-    """A :class:`KVCacheConfig` for this rank: KV heads of the rank, slots = ``max_num_seqs``.
-
-    Prefix caching off: pages of the driver's size (2 MiB), ``VATTN_PAGE_BUDGET`` bytes of them.
-    Prefix caching on: one page-set holds exactly one vLLM block (``page_bytes = block_size *
-    token_bytes`` of one range), and the budget is ``num_blocks + 1`` page-sets (vLLM's whole
-    block pool, whose block 0 is its never-used null block, plus the padding slot's page-set):
-    every block vLLM hands out is bound to a page-set and a cached one stays bound until vLLM
-    hands its id out again, so vattn must be able to hold as many as vLLM has
-    (``VATTN_PAGE_BUDGET`` is not used then). The host backend maps whole OS pages, so the
-    block must be a multiple of the OS page (:class:`ConfigError` naming a block size that is).
-    """
-    model = vllm_config.model_config
-    par = vllm_config.parallel_config
-    num_layers = model.get_num_layers(par)
-    budget = os.environ.get("VATTN_PAGE_BUDGET", "256MiB" if device == "cpu" else "0.5")
-    cfg = KVCacheConfig(num_layers=num_layers, num_kv_heads=model.get_num_kv_heads(par),
-                        head_dim=model.get_head_size(), dtype=model.dtype,
-                        max_slots=vllm_config.scheduler_config.max_num_seqs,
-                        max_context=model.max_model_len,
-                        group_size=int(os.environ.get("VATTN_GROUP_SIZE", "1")),
-                        page_budget=_parse_budget(budget), device=device,
-                        map_ahead_tokens=0 if device == "cpu" else 256)
-    if not getattr(vllm_config.cache_config, "enable_prefix_caching", False):
-        return cfg
-    block = vllm_config.cache_config.block_size
-    lay = KVLayout.from_config(cfg, 1)
-    page, os_page = block * lay.token_bytes, os.sysconf("SC_PAGE_SIZE")
-    if page % os_page:
-        step = math.lcm(os_page // math.gcd(lay.token_bytes, os_page), CPU_KERNEL_BLOCK)
-        fits = -(-block // step) * step
-        raise ConfigError(f"vattn with prefix caching maps one vLLM block as one page per VA range: "
-                          f"block_size {block} x {lay.token_bytes} bytes per token and range = {page} "
-                          f"bytes, not a multiple of the {os_page}-byte OS page; use --block-size "
-                          f"{fits} (block_size={fits}), or turn prefix caching off "
-                          f"(--no-enable-prefix-caching)")
-    if num_blocks is None:
-        return dataclasses.replace(cfg, page_bytes=page)
-    return dataclasses.replace(cfg, page_bytes=page, page_budget=(num_blocks + 1) * page * lay.num_ranges)
-
-
-def _parse_budget(text: str) -> int | float:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for suffix, mult in units.items():
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * mult)
-    try:
-        return float(text) if "." in text else int(text)
-    except ValueError as exc:
-        raise ConfigError(f"VATTN_PAGE_BUDGET must be bytes, '<n>MiB' or a fraction, got {text!r}") from exc
-
-
-def layer_index(layer_name: str) -> int:
-    """The layer number in a vLLM layer name (``model.layers.7.self_attn.attn`` -> 7)."""
-    found = re.findall(r"\.(\d+)\.", f".{layer_name}.")
-    if not found:
-        raise ConfigError(f"cannot find a layer index in {layer_name!r}")
-    return int(found[0])
-
-
-def install(runtime: VattnRuntime) -> None:
-    if _RUNTIME:
-        raise VattnError("a vattn runtime is already installed in this process")
-    _RUNTIME.append(runtime)
-
-
-def uninstall() -> None:
-    while _RUNTIME:
-        _RUNTIME.pop().close()
-
-
-def installed() -> bool:
-    """Whether this process has a runtime (the hooks built one when vLLM's KV cache was made)."""
-    return bool(_RUNTIME)
-
-
-def current() -> VattnRuntime:
-    """The process's runtime; raises if the vattn hooks did not start one."""
-    if not _RUNTIME:
-        raise VattnError("the vattn attention backend is selected but the vattn KV hooks are not "
-                         "active in this process (is VATTN_VLLM=1 set and the plugin installed?)")
-    return _RUNTIME[0]

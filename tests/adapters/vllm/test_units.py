@@ -23,7 +23,7 @@ def test_layer_index():
 
 
 def test_parse_budget():
-    from vattn.adapters.vllm.runtime import _parse_budget
+    from vattn.adapters.vllm.sizing import _parse_budget
     assert _parse_budget("256MiB") == 256 << 20
     assert _parse_budget("0.5") == 0.5
     assert _parse_budget("4096") == 4096
