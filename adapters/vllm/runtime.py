@@ -20,7 +20,6 @@ vLLM's scheduler, which preempts it or finishes it with an error (the hook in :m
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ from vattn.core import KVCacheConfig, VirtualKVCache
 from vattn.core.errors import ConfigError, DriverError, SlotError, UnsupportedError, VattnError
 from vattn.core import ops
 
+from .faults import ERROR, PREEMPT, FaultBook
 from .registry import current, driver_wrapper, install, installed, set_driver_wrapper, uninstall
 from .sizing import CPU_KERNEL_BLOCK, config_from_vllm, layer_index
 
@@ -58,7 +58,6 @@ class StepPlan:
 #: ``{req_id: {"action": "preempt" | "error", "reason": str, "evict": [block ids], "throttle": bool}}``
 #: (``throttle``: the pool ran dry, admit no more requests than run until one finishes).
 FAILED_ATTR = "vattn_failed"
-PREEMPT, ERROR = "preempt", "error"
 
 
 class VattnRuntime:
@@ -91,8 +90,7 @@ class VattnRuntime:
 
     def __init__(self, config: KVCacheConfig, *, block_size: int | None = None,
                  retries: int = 2, max_preemptions: int = 3):
-        if retries < 0 or max_preemptions < 0:
-            raise ConfigError(f"retries and max_preemptions must be >= 0, got {retries}, {max_preemptions}")
+        self.faults = FaultBook(retries, max_preemptions)
         driver, wrap = None, driver_wrapper()
         if wrap is not None:
             from vattn.core.driver import get_driver
@@ -110,20 +108,13 @@ class VattnRuntime:
                               f"tokens of {lay.page_bytes} bytes per range)")
         self.block_size = block_size
         self.rows_per_slot = lay.rows_per_slot
-        self.retries, self.max_preemptions = retries, max_preemptions
         self._slot_of: dict[str, int] = {}
         self._blocks: dict[str, int] = {}      # req_id -> blocks bound (prefix caching)
         self._block_ids: dict[str, list[int]] = {}   # req_id -> its vLLM block ids (prefix caching)
         self._plan: StepPlan | None = None
         self._backend: dict[str, str] = {}
-        self._dead: set[str] = set()           # killed; rows left out until vLLM resets them
-        self._failures: dict[str, dict] = {}   # killed this step, for the scheduler
-        self._reported: set[str] = set()       # killed and handed to the scheduler
-        self._strikes: dict[str, int] = {}     # preemptions for driver faults, per request
         self._step_hits: dict[str, set] = {}   # this step's prefix-cache hits per new request
-        self.events: deque[dict] = deque(maxlen=1024)   # the latest kills (tests, bench faults)
-        self.counts = {"driver_retries": 0, "requests_preempted": 0, "requests_failed": 0,
-                       "pool_shortfalls": 0, "preemptions": 0}
+        self.counts, self.events = self.faults.counts, self.faults.events
 
     @property
     def sharing(self) -> bool:
@@ -152,12 +143,11 @@ class VattnRuntime:
             slot = self._slot_of.pop(req_id, None)
             self._blocks.pop(req_id, None)
             self._block_ids.pop(req_id, None)
-            self._dead.discard(req_id)
-            self._reported.discard(req_id)
+            self.faults.left(req_id, finished=False)
             if slot is not None:
                 self.cache.release(slot)
         for req_id in finished:
-            self._strikes.pop(req_id, None)
+            self.faults.left(req_id, finished=True)
 
     def bind_blocks(self, new: list[tuple[str, list[int], int]], running: list[tuple]) -> list[str]:
         """Prefix caching: give this step's requests the page-sets of the blocks vLLM gave them.
@@ -203,7 +193,7 @@ class VattnRuntime:
         items: list[tuple[str, int, list[int], int]] = []     # (req_id, start, ids, hits)
         before: dict[str, int] = {}
         for req_id, ids, *done in running:
-            if not ids or req_id in self._dead:   # a killed request writes nothing until reset
+            if not ids or req_id in self.faults.dead:   # a killed request writes nothing until reset
                 continue
             if req_id not in self._slot_of:
                 raise VattnError(f"request {req_id!r} got blocks {ids} but holds no vattn slot")
@@ -218,9 +208,9 @@ class VattnRuntime:
             self._block_ids[req_id] = list(ids)
             self._step_hits[req_id] = set(ids[:hits])
             before[req_id] = hits * self.block_size
-        killed_before = set(self._failures)
+        killed_before = set(self.faults.failures)
         for req_id, ids, hits in starts:
-            if req_id in self._dead:              # hits a block of a request killed this step
+            if req_id in self.faults.dead:              # hits a block of a request killed this step
                 continue
             tokens = min(len(ids) * self.block_size, self.cache.config.max_context)
             if self._acquire(req_id, tokens, prefer=ids[hits - 1] if hits else None,
@@ -229,7 +219,7 @@ class VattnRuntime:
             self._blocks[req_id] = 0
             items.append((req_id, 0, ids, hits))
         self._bind_in_order(items, before)
-        return [r for r in self._failures if r not in killed_before]
+        return [r for r in self.faults.failures if r not in killed_before]
 
     def _bind_in_order(self, items: list[tuple[str, int, list[int], int]], before: dict[str, int]) -> None:
         """Bind the items (``(req_id, start, ids, hits)``) one at a time, a hit on a block another
@@ -245,39 +235,27 @@ class VattnRuntime:
                 raise SlotError(f"prefix hits wait on each other's fresh blocks: "
                                 f"{[ids[:hits] for _, _, ids, hits in pending]}")
             for (req_id, start, ids, hits), later in zip(pending, wait):
-                if later or req_id in self._dead:  # killed: it hit a killed request's block
+                if later or req_id in self.faults.dead:  # killed: it hit a killed request's block
                     continue
                 slot = self._slot_of[req_id]
-                ok, why = self._retry(lambda: self.cache.bind(slot, start, ids, hits=hits))
+                ok, why = self.faults.retry(lambda: self.cache.bind(slot, start, ids, hits=hits))
                 if ok:
                     self._blocks[req_id] = start + len(ids)
                 else:
                     self._kill_unpaged(req_id, why, before[req_id], len(ids) * self.block_size)
             pending = [item for item, later in zip(pending, wait) if later]
 
-    def _retry(self, call) -> tuple[bool, str]:
-        """Run a cache call (True: done, False: the pool is short) up to ``retries + 1`` times
-        while it raises :class:`DriverError`; returns ``(ok, why not)``."""
-        for attempt in range(self.retries + 1):
-            try:
-                return (True, "") if call() else (False, "short")
-            except DriverError as exc:
-                last = exc
-                if attempt < self.retries:
-                    self.counts["driver_retries"] += 1
-        return False, f"driver: {last}"
-
     def _acquire(self, req_id: str, expected_len: int, *, prefer=None, before: int = 0) -> int | None:
         """A slot for ``req_id`` (recorded), or ``None`` after killing it: driver faults while the
         slot's pages were re-tagged, ``retries + 1`` times (a failed re-tag leaves the slot idle)."""
         why = ""
-        for attempt in range(self.retries + 1):
+        for attempt in range(self.faults.retries + 1):
             try:
                 slot = self._slot_of[req_id] = self.cache.acquire(expected_len=expected_len, prefer=prefer)
                 return slot
             except DriverError as exc:
                 why = f"driver: {exc}"
-            if attempt < self.retries:
+            if attempt < self.faults.retries:
                 self.counts["driver_retries"] += 1
         self.kill(req_id, why, before=before, fault=True)
         return None
@@ -292,15 +270,9 @@ class VattnRuntime:
         written. Requests of this step that hit one of those blocks are killed too.
         ``throttle``: the pool is dry,
         vLLM should admit no more requests than it runs until one finishes."""
-        if req_id in self._dead:
+        if req_id in self.faults.dead:
             return
-        if action is None:
-            action = PREEMPT
-            if fault:
-                strikes = self._strikes[req_id] = self._strikes.get(req_id, 0) + 1
-                if strikes > self.max_preemptions:
-                    action, reason = ERROR, f"{reason} (preempted {strikes - 1} times for driver faults)"
-        self._dead.add(req_id)
+        action, reason = self.faults.decide(req_id, reason, action, fault)
         slot = self._slot_of.pop(req_id, None)
         self._blocks.pop(req_id, None)
         evict = []
@@ -309,10 +281,7 @@ class VattnRuntime:
             self.cache.forget(evict)
         if slot is not None:
             self.cache.release(slot)
-        self._failures[req_id] = {"action": action, "reason": f"vattn: {reason}", "evict": list(evict),
-                                  "throttle": throttle}
-        self.counts["requests_preempted" if action == PREEMPT else "requests_failed"] += 1
-        self.events.append({"req_id": req_id, "action": action, "reason": reason})
+        self.faults.record(req_id, action, reason, evict, throttle)
         writes = set(evict)                    # the blocks it was to write this step
         for other, hits in list(self._step_hits.items()):
             if other != req_id and hits & writes:
@@ -338,9 +307,7 @@ class VattnRuntime:
 
     def take_failures(self) -> dict[str, dict]:
         """The requests killed since the last call, for vLLM's scheduler (see :data:`FAILED_ATTR`)."""
-        failures, self._failures = self._failures, {}
-        self._reported.update(failures)
-        return failures
+        return self.faults.take()
 
     def _hits(self, req_id: str, block_ids: list[int], num_computed: int) -> int:
         """Whole blocks of a starting request's prefix-cache hit."""
@@ -374,12 +341,12 @@ class VattnRuntime:
         lengths: dict[int, int] = {}
         owner: dict[int, tuple[str, int, int]] = {}
         for req_id, done, new in batch:
-            if req_id in self._reported:     # its output was accepted: it would run on no KV
+            if req_id in self.faults.reported:     # its output was accepted: it would run on no KV
                 raise VattnError(f"request {req_id!r} lost its KV in an earlier step and was handed "
                                  f"to vLLM's scheduler, which scheduled it again without preempting "
                                  f"it: the vattn hook on Scheduler.update_from_output is not active "
                                  f"in the engine core")
-            if req_id in self._dead:
+            if req_id in self.faults.dead:
                 continue
             slot = self._slot_of.get(req_id)
             if slot is None:
@@ -406,7 +373,7 @@ class VattnRuntime:
             self._kill_unpaged(req_id, "short", done, done + new)
             lengths.pop(victim)
         self._plan = self._build_plan(batch)
-        return [req_id for req_id, _, _ in batch if req_id in self._dead]
+        return [req_id for req_id, _, _ in batch if req_id in self.faults.dead]
 
     def _ensure(self, lengths: dict[int, int]) -> tuple[set[int], dict[int, str]]:
         """``cache.step(lengths)``; after a driver fault, slot by slot with retries. Returns the
@@ -417,7 +384,7 @@ class VattnRuntime:
             self.counts["driver_retries"] += 1
         short, faulted = set(), {}
         for slot, n in lengths.items():
-            ok, why = self._retry(lambda: not self.cache.ensure({slot: n}))
+            ok, why = self.faults.retry(lambda: not self.cache.ensure({slot: n}))
             if not ok:
                 if why == "short":
                     short.add(slot)
@@ -429,7 +396,7 @@ class VattnRuntime:
         slots, rows, tokens, alive = [], [], [], []
         first = 0
         for req_id, done, new in batch:
-            live = req_id not in self._dead
+            live = req_id not in self.faults.dead
             alive.append(live)
             if live:
                 slot = self._slot_of[req_id]

@@ -146,7 +146,7 @@ def test_a_driver_that_stays_broken_ends_the_request_with_an_error():
         assert "(preempted 1 times for driver faults)" in failure["reason"]
         assert run.counts["requests_failed"] == 1 and run.slot("warm") is not None
         run.finish(["x"], finished=["x"])
-        assert run._strikes == {}
+        assert run.faults.strikes == {}
         inj.disarm()
         assert _pages_back(run)
     finally:
