@@ -29,7 +29,7 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator, al
 
 from vattn.core.errors import ConfigError, UnsupportedError
 
-from .late_ids import copy_to_host
+from .late_ids import Landing
 from .metrics import write_if_asked
 from .pool import VattnMHATokenToKVPool
 
@@ -78,8 +78,7 @@ class VattnTokenAllocator(PagedTokenToKVPoolAllocator):
         #: host time vattn adds per extend / decode forward and per free (microseconds)
         self.extend_us, self.decode_us = self.requests.extend_us, self.requests.decode_us
         self.free_us = self.requests.free_us
-        self._limbo: list[tuple[torch.Tensor, object]] = []   # freed ids on their way to the host
-        self._limbo_pages = 0
+        self._limbo = Landing()                      # freed ids on their way to the host
         super().__init__(int(size), page_size, pool.dtype, pool.device, pool, need_sort)
         self._on_cpu = torch.device(pool.device).type == "cpu"
         #: settle frees at the next allocation (default on the GPU; the CPU tests turn it on)
@@ -147,8 +146,7 @@ class VattnTokenAllocator(PagedTokenToKVPoolAllocator):
         if not self.defer_frees:
             self._settle(ids.to("cpu", torch.int64).numpy())
             return
-        self._limbo.append(copy_to_host(ids))
-        self._limbo_pages += ids.numel()
+        self._limbo.push(None, ids)
 
     def available_size(self) -> int:
         """SGLang's free tokens, after settling the freed ids whose copy has landed."""
@@ -158,15 +156,7 @@ class VattnTokenAllocator(PagedTokenToKVPoolAllocator):
 
     def drain_frees(self, wait: bool) -> None:
         """Settle the freed ids whose copy to the host has landed (``wait``: all of them)."""
-        while self._limbo:
-            host, event = self._limbo[0]
-            if event is not None:
-                if not wait and not event.query():
-                    return
-                event.synchronize()
-            self._limbo.pop(0)
-            self._limbo_pages -= host.numel()
-            self._settle(host.to(torch.int64).numpy())
+        self._limbo.drain(wait, lambda _, host: self._settle(host.to(torch.int64).numpy()))
 
     def _drain_for(self, pages: int) -> None:
         """Before an allocation of up to ``pages`` pages: settle what has landed, and wait for

@@ -102,12 +102,9 @@ class VattnAttnBackend(AttentionBackend):
         if extend:
             prefix = _host_list(getattr(forward_batch, "extend_prefix_lens_cpu", None),
                                 forward_batch.extend_prefix_lens)[:real]
-            slots = self.requests.prepare(rpi, seq, prefix, rids=rids)
         else:
-            # decode: rows by request id, nothing read from the device (SGLang's overlap
-            # scheduler prepares the next step while this one runs)
             prefix = [n - 1 for n in seq]
-            slots = self.requests.prepare_decode(rids, seq, rpi)
+        slots = self.requests.prepare(rpi, seq, prefix if extend else None, rids=rids)
         return slots.tolist(), prefix, seq
 
     def _rows_of(self, slots: list, prefix: list, seq: list) -> torch.Tensor:

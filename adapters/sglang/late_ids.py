@@ -11,12 +11,14 @@ for the copy, before anything else can use them (a prefix hit, a free, a release
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import torch
 
 from vattn.core.errors import VattnError
 
-__all__ = ["LateIds", "page_cells", "copy_to_host"]
+__all__ = ["LateIds", "Landing", "page_cells", "copy_to_host"]
 
 
 def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, object]:
@@ -31,17 +33,49 @@ def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, object]:
     return host, event
 
 
+def _spans(first: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(counts, indices)``: ``first[i] .. end[i] - 1`` of every ``i``, flat."""
+    counts = end - first
+    flat = np.repeat(first, counts) + np.arange(int(counts.sum())) \
+        - np.repeat(np.cumsum(counts) - counts, counts)
+    return counts, flat
+
+
 def page_cells(req_to_token: torch.Tensor, page_size: int, rows: np.ndarray, first: np.ndarray,
                end: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
     """``req_to_token`` at the first token of pages ``first[i] .. end[i] - 1`` of row
     ``rows[i]``, flat (one device gather, nothing copied to the host), and the counts per row."""
-    counts = end - first
-    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    cols = (np.repeat(first, counts) + offsets) * page_size
+    counts, pages = _spans(first, end)
     dev = req_to_token.device
     cells = req_to_token[torch.from_numpy(np.repeat(rows, counts)).to(dev, non_blocking=True),
-                         torch.from_numpy(cols).to(dev, non_blocking=True)]
+                         torch.from_numpy(pages * page_size).to(dev, non_blocking=True)]
     return cells, counts
+
+
+class Landing:
+    """Device tensors on their way to the host (:func:`copy_to_host`), handed over in order."""
+
+    def __init__(self):
+        self._queue: deque[tuple] = deque()     # (payload, host copy, event)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def push(self, payload, t: torch.Tensor) -> None:
+        """Start copying ``t``; ``payload`` goes with it."""
+        self._queue.append((payload, *copy_to_host(t)))
+
+    def drain(self, wait: bool, handle) -> None:
+        """``handle(payload, host)`` for each copy that has landed, oldest first (``wait``: for
+        every copy, waiting for those in flight); an item leaves once handled."""
+        while self._queue:
+            payload, host, event = self._queue[0]
+            if event is not None:
+                if not wait and not event.query():
+                    return
+                event.synchronize()
+            handle(payload, host)
+            self._queue.popleft()
 
 
 class LateIds:
@@ -57,10 +91,10 @@ class LateIds:
 
     def __init__(self, cache, page_size: int):
         self.cache, self.page_size = cache, page_size
-        self._queue: list[tuple] = []        # (slots, indices, host token indices, event)
+        self._landing = Landing()               # payload: (slots, page-set indices)
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._landing)
 
     def claim(self, req_to_token: torch.Tensor, rows: np.ndarray, slots: np.ndarray,
               low: np.ndarray, high: np.ndarray) -> None:
@@ -72,29 +106,24 @@ class LateIds:
         VattnError
             The pool ran short although SGLang allocated the pages (a bug, not memory pressure).
         """
-        counts = high - low
+        counts, index = _spans(low, high)
         slot_rep = np.repeat(slots, counts)
-        index = np.repeat(low, counts) + np.arange(int(counts.sum())) \
-            - np.repeat(np.cumsum(counts) - counts, counts)
         for slot, i in zip(slot_rep.tolist(), index.tolist()):
             if not self.cache.claim(slot, i):
                 raise VattnError(f"vattn could not map page-set {i} of slot {slot} although SGLang "
                                  f"allocated its page; capacity: {self.cache.capacity()}")
         ids, _ = page_cells(req_to_token, self.page_size, rows, low, high)
-        self._queue.append((slot_rep, index, *copy_to_host(ids)))
+        self._landing.push((slot_rep, index), ids)
 
     def resolve(self, wait: bool) -> None:
         """Bind the claimed page-sets to their page ids, oldest first; ``wait=False`` stops at
         the first copy still in flight (SGLang's next forward: normally none is)."""
-        while self._queue:
-            slots, index, host, event = self._queue[0]
-            if event is not None:
-                if not wait and not event.query():
-                    return
-                event.synchronize()
-            ids = (host.to(torch.int64).numpy() // self.page_size).tolist()
-            items = [(s, i, [pid], 0) for s, i, pid in zip(slots.tolist(), index.tolist(), ids)]
-            failed = self.cache.bind_many(items)
-            if failed:
-                raise VattnError(f"vattn could not bind the claimed page-sets of slots {failed}")
-            self._queue.pop(0)
+        self._landing.drain(wait, self._bind)
+
+    def _bind(self, where, host: torch.Tensor) -> None:
+        slots, index = where
+        ids = (host.to(torch.int64).numpy() // self.page_size).tolist()
+        items = [(s, i, [pid], 0) for s, i, pid in zip(slots.tolist(), index.tolist(), ids)]
+        failed = self.cache.bind_many(items)
+        if failed:
+            raise VattnError(f"vattn could not bind the claimed page-sets of slots {failed}")

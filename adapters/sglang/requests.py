@@ -12,14 +12,13 @@ everything; this table follows them:
 * before each forward (:meth:`RequestSlots.prepare`, from the attention backend, which has the
   batch's rows and lengths): requests whose row was freed release their slot (fenced on the
   forward stream); a new row acquires a slot (the idle one where its cached prefix is still
-  mapped, if any) and binds its prefix hits; every request binds the page ids it received since
-  the last forward;
-* a decode forward (:meth:`RequestSlots.prepare_decode`) reads nothing from the device: the rows
-  come from the batch's request ids (learnt at the request's extend), a request entering a new
-  page *claims* that page-set (:meth:`VirtualKVCache.claim`) and its page id, gathered on the
-  device into pinned host memory, is bound one step later, or at once before anything else can
-  use it (a prefix hit, a free, a release). SGLang's overlap scheduler keeps the GPU busy only
-  if the host never waits for it between two decode steps;
+  mapped, if any) and maps its prefix hits; a page a request starts writing is *claimed*
+  (:meth:`VirtualKVCache.claim`) and its page id, gathered on the device into pinned host
+  memory, is bound one forward later, or at once before anything else can use it (a prefix hit,
+  a free, a release). The rows come from the batch's request ids (learnt when
+  ``ReqToTokenPool.alloc`` hands a row out), so only the page ids of prefix hits are read from
+  the device: SGLang's overlap scheduler keeps the GPU busy only if the host does not wait for
+  it between two steps;
 * a page id returns to SGLang's free list (:meth:`RequestSlots.on_free_pages`, from the
   allocator): its key is forgotten; if the request that wrote it still runs and reads it (SGLang
   frees a request's duplicate of a page another request inserted into the tree first, then points
@@ -194,53 +193,6 @@ class RequestSlots:
         self._rid_of_row.clear()
 
     # -- before each forward ------------------------------------------------------------------------
-    def last_page_ids(self, rows: torch.Tensor, seq_lens) -> tuple[np.ndarray, np.ndarray]:
-        """Host ``(rows, id of each request's last page)`` of a decode batch: one gather, one
-        copy (``rows`` may live on the device)."""
-        cols = (torch.as_tensor(seq_lens, dtype=torch.int64) - 1) // self.page_size * self.page_size
-        rows = rows.to(torch.int64)
-        last = self.req_to_token[rows, cols.to(rows.device)].to(torch.int64)
-        host = torch.stack([rows, last]).cpu().numpy()
-        return host[0], host[1] // self.page_size
-
-    def prepare_decode(self, rids, seq_lens, rows_device) -> np.ndarray:
-        """Slots of a decode batch, read without waiting for the device.
-
-        ``rids`` (the batch's request ids) name the rows; a request entering a new page claims
-        that page-set, and the page id SGLang's allocator wrote into ``req_to_token`` is gathered
-        on the device and bound later (:class:`.late_ids.LateIds`). ``rows_device``
-        (``req_pool_indices``) is read only when a request id is unknown: then this is
-        :meth:`prepare` with the rows and last page ids copied to the host.
-
-        Raises
-        ------
-        SlotError, VattnError
-            As :meth:`prepare`.
-        """
-        rows = self._rows_of_rids(rids)
-        if rows is None:
-            self.device_reads += 1
-            host_rows, last = self.last_page_ids(rows_device, seq_lens)
-            return self.prepare(host_rows, seq_lens, last_pages=last)
-        start = time.perf_counter()
-        self.late.resolve(wait=False)
-        self._release_departed()
-        if not rows.size:
-            return rows
-        seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
-        want = -(-seq // self.page_size)
-        slots = self.slot_of[rows]
-        need = np.flatnonzero(want > self.bound[rows])
-        if need.size:
-            if (want[need] - self.bound[rows[need]] != 1).any():
-                raise VattnError(f"decode of request rows {rows[need].tolist()} needs more than "
-                                 "one new page each")
-            self.late.claim(self.req_to_token, rows[need], slots[need], want[need] - 1, want[need])
-            self.bound[rows[need]] = want[need]
-        self.cache.step(slots, seq)
-        self.decode_us.observe((time.perf_counter() - start) * 1e6)
-        return slots
-
     def _rows_of_rids(self, rids) -> np.ndarray | None:
         if rids is None:
             return None
@@ -250,10 +202,14 @@ class RequestSlots:
         except KeyError:
             return None
 
-    def prepare(self, rows, seq_lens, prefix_lens=None, *, last_pages=None, rids=None) -> np.ndarray:
+    def prepare(self, rows, seq_lens, prefix_lens=None, *, rids=None) -> np.ndarray:
         """Slots of the batch's requests: departed rows released, new rows given slots with their
         prefix hits mapped, and every page they were given since the last forward claimed (its
         id is bound later, :class:`.late_ids.LateIds`).
+
+        Nothing is read from the device but the page ids of prefix hits, and the rows when
+        ``rids`` does not name them all (``device_reads`` counts both): SGLang's overlap
+        scheduler prepares the next step while this one runs, and a read would wait for it.
 
         Parameters
         ----------
@@ -265,9 +221,6 @@ class RequestSlots:
         prefix_lens : sequence of int, optional
             Extend: tokens already cached (``extend_prefix_lens``); a new row's are prefix hits
             (page-aligned: SGLang matches whole pages). ``None``: decode.
-        last_pages : sequence of int, optional
-            Decode: the page id of each request's last page (:meth:`last_page_ids`), bound at
-            once.
         rids : sequence of str, optional
             The batch's request ids (rows were learnt when SGLang allocated them, :meth:`attach`).
 
@@ -288,12 +241,15 @@ class RequestSlots:
         start = time.perf_counter()
         if self.req_to_token is None:
             raise ConfigError("RequestSlots.prepare before attach(req_to_token_pool)")
-        self.late.resolve(wait=True)                 # a hit may name a page claimed earlier
+        # an extend's hit may name a page claimed earlier; a decode binds what has landed
+        self.late.resolve(wait=prefix_lens is not None)
         self._release_departed()
         known = self._rows_of_rids(rids)
         if known is None:
             self.device_reads += isinstance(rows, torch.Tensor)
             known = rows.tolist() if isinstance(rows, torch.Tensor) else rows
+            for row, rid in zip(known, rids if rids is not None else ()):
+                self._learn(rid, row)
         rows = np.asarray(known, dtype=np.int64).reshape(-1)
         seq = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
         if not rows.size:
@@ -317,29 +273,20 @@ class RequestSlots:
             self._acquire(rows, seq, new, dict(zip(hit_at.tolist(), hit_ids)))
         slots = self.slot_of[rows]
         if hit_at.size:
-            items = [(int(slots[i]), 0, ids, len(ids)) for i, ids in zip(hit_at.tolist(), hit_ids)]
-            self._bind(items)
+            failed = self.cache.bind_many([(int(slots[i]), 0, ids, len(ids))
+                                           for i, ids in zip(hit_at.tolist(), hit_ids)])
+            if failed:
+                raise VattnError(f"vattn could not map the page-sets of slots {failed} although "
+                                 f"SGLang allocated their pages; capacity: {self.cache.capacity()}")
         low = np.where(new, hits, self.bound[rows])
         need = np.flatnonzero(want > low)
-        if need.size and last_pages is not None and (want[need] - low[need] == 1).all():
-            last = np.asarray(last_pages, dtype=np.int64)[need]
-            self._bind([(int(slots[i]), int(low[i]), [int(pid)], 0)
-                        for i, pid in zip(need.tolist(), last.tolist())])
-        elif need.size:
+        if need.size:
             self.late.claim(self.req_to_token, rows[need], slots[need], low[need], want[need])
         self.bound[rows[need]] = want[need]
-        for row, rid in zip(rows.tolist(), rids if rids is not None else ()):
-            self._learn(rid, row)
         self.cache.step(slots, seq)              # lengths, and pages mapped ahead in the background
         hist = self.decode_us if prefix_lens is None else self.extend_us
         hist.observe((time.perf_counter() - start) * 1e6)
         return slots
-
-    def _bind(self, items) -> None:
-        failed = self.cache.bind_many(items)
-        if failed:
-            raise VattnError(f"vattn could not map the page-sets of slots {failed} although SGLang "
-                             f"allocated their pages; capacity: {self.cache.capacity()}")
 
     def _page_ids(self, rows: np.ndarray, first: np.ndarray, want: np.ndarray) -> list[list[int]]:
         """Page ids ``first .. want - 1`` of each row, from ``req_to_token`` (one gather, one

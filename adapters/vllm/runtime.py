@@ -114,7 +114,16 @@ class VattnRuntime:
         self._plan: StepPlan | None = None
         self._backend: dict[str, str] = {}
         self._step_hits: dict[str, set] = {}   # this step's prefix-cache hits per new request
-        self.counts, self.events = self.faults.counts, self.faults.events
+
+    @property
+    def counts(self) -> dict:
+        """The fault counters (:class:`.faults.FaultBook`)."""
+        return self.faults.counts
+
+    @property
+    def events(self):
+        """The latest kills (:class:`.faults.FaultBook`)."""
+        return self.faults.events
 
     @property
     def sharing(self) -> bool:
