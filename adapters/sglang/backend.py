@@ -33,6 +33,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from vattn.core import ops
 from vattn.core.errors import ConfigError, UnsupportedError
 
+from .late_ids import copy_to_device
 from .pool import PAD_SLOT
 from .sdpa import decode_sdpa, extend_sdpa
 
@@ -91,6 +92,10 @@ class VattnAttnBackend(AttentionBackend):
         self._graph_seqlens: torch.Tensor | None = None
         self._graph_cu_q: torch.Tensor | None = None
         self._graph_rows: torch.Tensor | None = None
+        #: request ids of the batch SGLang's decode CUDA-graph runner is loading: the replay view
+        #: it hands to :meth:`init_forward_metadata_out_graph` has none (set by the platform's
+        #: graph runner, :func:`.platform.graph_runner_cls`)
+        self.replay_rids: list | None = None
 
     def _prepare(self, forward_batch, real: int, extend: bool) -> tuple[list, list, list]:
         """Map the batch's pages (:meth:`RequestSlots.prepare`); host ``(slots, prefix, seq)``
@@ -98,6 +103,8 @@ class VattnAttnBackend(AttentionBackend):
         seq = _host_list(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)[:real]
         rpi = forward_batch.req_pool_indices[:real]
         rids = getattr(forward_batch, "rids", None)
+        if rids is None:
+            rids = self.replay_rids
         rids = list(rids[:real]) if rids is not None and len(rids) >= real else None
         if extend:
             prefix = _host_list(getattr(forward_batch, "extend_prefix_lens_cpu", None),
@@ -107,7 +114,7 @@ class VattnAttnBackend(AttentionBackend):
         slots = self.requests.prepare(rpi, seq, prefix if extend else None, rids=rids)
         return slots.tolist(), prefix, seq
 
-    def _rows_of(self, slots: list, prefix: list, seq: list) -> torch.Tensor:
+    def _rows_of(self, slots: list, prefix: list, seq: list) -> np.ndarray:
         """Row of every new token: ``slot * C + position`` for positions ``prefix .. seq - 1``."""
         first = np.asarray(slots, dtype=np.int64) * self.rows_per_slot + np.asarray(prefix, dtype=np.int64)
         counts = np.asarray(seq, dtype=np.int64) - prefix
@@ -115,7 +122,7 @@ class VattnAttnBackend(AttentionBackend):
             rows = first
         else:
             rows = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))
-        return torch.from_numpy(rows).to(self.device, non_blocking=True)
+        return rows
 
     # -- decode CUDA graphs ------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -144,12 +151,12 @@ class VattnAttnBackend(AttentionBackend):
         real = 0 if in_capture else bs - int(getattr(forward_batch, "num_padding", 0) or 0)
         slots, prefix, seq = self._prepare(forward_batch, real, extend=False) if real else ([], [], [])
         pad = bs - real                                 # padding rows: row 0 of the pad slot
-        self._graph_slots[:bs].copy_(torch.tensor(slots + [PAD_SLOT] * pad, dtype=torch.int32),
-                                     non_blocking=True)
-        self._graph_seqlens[:bs].copy_(torch.tensor(seq + [1] * pad, dtype=torch.int32),
-                                       non_blocking=True)
-        self._graph_rows[:real].copy_(self._rows_of(slots, prefix, seq))
-        self._graph_rows[real:bs].fill_(PAD_SLOT * self.rows_per_slot)
+        dev_slots, dev_seq, dev_rows = copy_to_device(
+            self.device, np.asarray(slots + [PAD_SLOT] * pad), np.asarray(seq + [1] * pad),
+            np.concatenate([self._rows_of(slots, prefix, seq), [PAD_SLOT * self.rows_per_slot] * pad]))
+        self._graph_slots[:bs].copy_(dev_slots)
+        self._graph_seqlens[:bs].copy_(dev_seq)
+        self._graph_rows[:bs].copy_(dev_rows)
         self.forward_metadata = VattnMetadata(self._graph_slots[:bs], self._graph_seqlens[:bs],
                                               self._graph_cu_q[:bs + 1], 1, self.rows_per_slot,
                                               self._graph_rows[:bs])
@@ -162,8 +169,9 @@ class VattnAttnBackend(AttentionBackend):
         extend = forward_batch.forward_mode.is_extend()
         bs = int(forward_batch.batch_size)
         host_slots, prefix, seq = self._prepare(forward_batch, bs, extend)
-        slots = torch.tensor(host_slots, dtype=torch.int32).to(self.device, non_blocking=True)
-        rows = self._rows_of(host_slots, prefix, seq)
+        slots, rows = copy_to_device(self.device, np.asarray(host_slots, dtype=np.int64),
+                                     self._rows_of(host_slots, prefix, seq))
+        slots = slots.to(torch.int32)
         seqlens = forward_batch.seq_lens.to(torch.int32)
         max_k = max(seq) if seq else 0
         if extend:

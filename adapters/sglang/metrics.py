@@ -3,7 +3,7 @@
 SGLang runs the KV pool and allocator in its scheduler subprocess, out of reach of the process that
 called ``sglang.Engine``. With ``VATTN_SGLANG_METRICS=PATH`` set in the engine's environment the
 allocator writes :func:`allocator_metrics` to ``PATH`` (JSON, replaced atomically) each time its
-last live request is freed, i.e. when the engine goes idle after a batch; the caller (SGLang's
+last running request is freed, i.e. when the engine goes idle after a batch; the caller (SGLang's
 conformance worker, ``vattn.conformance.workers.sglang``) reads it after ``generate`` returns.
 Counters are cumulative since the engine started (warm-up included).
 """

@@ -27,6 +27,7 @@ default attention backend is ``vattn``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -92,8 +93,32 @@ def model_page_size(server_args) -> int:
 
 
 def _graph_runner(model_runner):
-    """The decode CUDA-graph runner stock SGLang builds for a CUDA ``ModelRunner``."""
-    return model_runner._decode_cuda_graph_runner_cls()(model_runner)
+    """The decode CUDA-graph runner stock SGLang builds for a CUDA ``ModelRunner``, telling
+    vattn's backend the request ids of each batch it loads (:func:`graph_runner_cls`)."""
+    return graph_runner_cls(model_runner._decode_cuda_graph_runner_cls())(model_runner)
+
+
+@functools.cache
+def graph_runner_cls(base: type) -> type:
+    """``base`` (SGLang's decode CUDA-graph runner class) whose ``load_batch`` hands the batch's
+    request ids to vattn's attention backend while it prepares the replay.
+
+    SGLang 0.5.17 passes the backend a replay view of the batch (``build_replay_fb_view``) that
+    carries no request ids; without them the backend would copy the batch's rows to the host before
+    every decode step, and that wait costs SGLang's overlap scheduler its overlap.
+    """
+    def load_batch(self, forward_batch, *args, **kwargs):
+        backend = getattr(self, "attn_backend", None)
+        if not hasattr(backend, "replay_rids"):
+            return base.load_batch(self, forward_batch, *args, **kwargs)
+        backend.replay_rids = getattr(forward_batch, "rids", None)
+        try:
+            return base.load_batch(self, forward_batch, *args, **kwargs)
+        finally:
+            backend.replay_rids = None
+
+    return type("Vattn" + base.__name__, (base,), {"load_batch": load_batch,
+                                                   "__doc__": graph_runner_cls.__doc__})
 
 
 class VattnCudaPlatform(CudaSRTPlatform):

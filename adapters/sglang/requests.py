@@ -80,7 +80,7 @@ class RequestSlots:
         self.return_pages = None                     # the allocator's ``ids -> None``
         #: host time per forward (prepare) and per free, microseconds
         self.extend_us, self.decode_us, self.free_us = Histogram(), Histogram(), Histogram()
-        self.on_idle = None                          # called when the last request leaves
+        self.on_idle = None                          # called when the last running request leaves
 
     # -- wiring ------------------------------------------------------------------------------------
     def attach(self, req_to_token_pool) -> None:
@@ -146,6 +146,8 @@ class RequestSlots:
         held = self._held.pop(int(self.slot_of[row]), None)
         if held:
             self.return_pages(np.asarray(held, dtype=np.int64))
+        if len(self._departed) == len(self._row_of) and self.on_idle is not None:
+            self.on_idle()                           # the last running request left
 
     def on_free_pages(self, ids: np.ndarray) -> np.ndarray:
         """SGLang freed page ids ``ids``: forget their keys; returns the ids SGLang may hand out
@@ -320,5 +322,3 @@ class RequestSlots:
                 self.slot_of[row], self.bound[row] = -1, 0
                 del self._row_of[slot]
         self._departed.clear()
-        if not self.live and self.on_idle is not None:
-            self.on_idle()

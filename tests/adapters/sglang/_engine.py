@@ -61,7 +61,7 @@ class Engine:
     """SGLang's memory classes + vattn's pool / allocator / backend, driven step by step."""
 
     def __init__(self, *, reqs=6, ctx=128, page_sets=None, radix=True, map_ahead=0, rids=True,
-                 defer_frees=False):
+                 defer_frees=False, graphs=False):
         self.rids = rids              # False: forward batches without request ids (decode reads rows)
         page_sets = page_sets or reqs * -(-ctx // PAGE)
         self.cache = make_cache(num_layers=L, num_kv_heads=HK, head_dim=D, dtype=torch.float32,
@@ -81,7 +81,12 @@ class Engine:
             self.tree = ChunkCache(SimpleNamespace(req_to_token_pool=self.r2t, page_size=PAGE,
                                                    token_to_kv_pool_allocator=self.alloc))
         runner = SimpleNamespace(device="cpu", req_to_token_pool=self.r2t, token_to_kv_pool=self.pool)
-        self.backend = VattnAttnBackend(runner, op_backend="sdpa")
+        self.backend = VattnAttnBackend(runner, op_backend="reference" if graphs else "sdpa")
+        self.graph_runner = None      # graphs: decode through the platform's CUDA-graph runner
+        if graphs:
+            from vattn.adapters.sglang.platform import graph_runner_cls
+            self.backend.init_cuda_graph_state(max_bs=reqs, max_num_tokens=reqs)
+            self.graph_runner = graph_runner_cls(GraphRunner)(SimpleNamespace(attn_backend=self.backend))
         self.layers = [RadixAttention(HQ, D, D ** -0.5, HK, layer_id=i) for i in range(L)]
 
     # -- the scheduler's steps ---------------------------------------------------------------------
@@ -158,7 +163,10 @@ class Engine:
                           extend_seq_lens=t(ext), extend_prefix_lens_cpu=prefixes,
                           extend_seq_lens_cpu=ext,
                           rids=[r.rid for r in reqs] if self.rids else None)
-        self.backend.init_forward_metadata(fb)
+        if self.graph_runner is not None and mode.is_decode():
+            fb = self.graph_runner.load_batch(fb)
+        else:
+            self.backend.init_forward_metadata(fb)
         for layer in self.layers:
             kv = [kv_of(r.get_fill_ids(), pos, layer.layer_id)
                   for r, p, s in zip(reqs, prefixes, seqs) for pos in range(p, s)]
@@ -189,6 +197,25 @@ class Engine:
         """SGLang's idle check: free + evictable tokens."""
         evictable = self.tree.evictable_size() if isinstance(self.tree, RadixCache) else 0
         return self.alloc.available_size() + evictable
+
+
+class GraphRunner:
+    """SGLang 0.5.17's decode CUDA-graph runner as the attention backend sees it: ``load_batch``
+    hands the backend a replay view of the batch (``build_replay_fb_view``), which carries the
+    padded-capture buffers' fields and no request ids."""
+
+    def __init__(self, model_runner):
+        self.attn_backend = model_runner.attn_backend
+
+    def load_batch(self, forward_batch, pp_proxy_tensors=None):
+        view = SimpleNamespace(batch_size=forward_batch.batch_size, num_padding=0,
+                               forward_mode=forward_batch.forward_mode,
+                               req_pool_indices=forward_batch.req_pool_indices.clone(),
+                               seq_lens=forward_batch.seq_lens.clone(),
+                               seq_lens_cpu=forward_batch.seq_lens_cpu.clone(),
+                               out_cache_loc=forward_batch.out_cache_loc, spec_info=None)
+        self.attn_backend.init_forward_metadata_out_graph(view)
+        return view
 
 
 def _ints(xs) -> torch.Tensor:
