@@ -25,6 +25,7 @@ buffers with ``max_seqlen_k`` = the slot length, fixed at capture. ``init_forwar
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,10 +93,7 @@ class VattnAttnBackend(AttentionBackend):
         self._graph_seqlens: torch.Tensor | None = None
         self._graph_cu_q: torch.Tensor | None = None
         self._graph_rows: torch.Tensor | None = None
-        #: request ids of the batch SGLang's decode CUDA-graph runner is loading: the replay view
-        #: it hands to :meth:`init_forward_metadata_out_graph` has none (set by the platform's
-        #: graph runner, :func:`.platform.graph_runner_cls`)
-        self.replay_rids: list | None = None
+        self._replay_rids: list | None = None            # see replaying()
 
     def _prepare(self, forward_batch, real: int, extend: bool) -> tuple[list, list, list]:
         """Map the batch's pages (:meth:`RequestSlots.prepare`); host ``(slots, prefix, seq)``
@@ -104,7 +102,7 @@ class VattnAttnBackend(AttentionBackend):
         rpi = forward_batch.req_pool_indices[:real]
         rids = getattr(forward_batch, "rids", None)
         if rids is None:
-            rids = self.replay_rids
+            rids = self._replay_rids
         rids = list(rids[:real]) if rids is not None and len(rids) >= real else None
         if extend:
             prefix = _host_list(getattr(forward_batch, "extend_prefix_lens_cpu", None),
@@ -125,6 +123,17 @@ class VattnAttnBackend(AttentionBackend):
         return rows
 
     # -- decode CUDA graphs ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def replaying(self, rids):
+        """While SGLang's decode CUDA-graph runner loads a batch whose request ids are ``rids``: the
+        replay view it hands to :meth:`init_forward_metadata_out_graph` has none (used by the
+        platform's graph runner, :func:`.platform.graph_runner_cls`)."""
+        self._replay_rids = rids
+        try:
+            yield
+        finally:
+            self._replay_rids = None
+
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Persistent per-row inputs of the captured decode graphs (``max_bs`` rows)."""
         if self.op_backend == "sdpa":

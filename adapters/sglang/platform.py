@@ -103,19 +103,17 @@ def graph_runner_cls(base: type) -> type:
     """``base`` (SGLang's decode CUDA-graph runner class) whose ``load_batch`` hands the batch's
     request ids to vattn's attention backend while it prepares the replay.
 
-    SGLang 0.5.17 passes the backend a replay view of the batch (``build_replay_fb_view``) that
-    carries no request ids; without them the backend would copy the batch's rows to the host before
-    every decode step, and that wait costs SGLang's overlap scheduler its overlap.
+    SGLang 0.5.17's ``DecodeCudaGraphRunner.load_batch`` passes the backend a replay view of the
+    batch (``build_replay_fb_view``) that carries no request ids; without them the backend would
+    copy the batch's rows to the host before every decode step, and that wait costs SGLang's
+    overlap scheduler its overlap.
     """
     def load_batch(self, forward_batch, *args, **kwargs):
         backend = getattr(self, "attn_backend", None)
-        if not hasattr(backend, "replay_rids"):
+        if not hasattr(backend, "replaying"):
             return base.load_batch(self, forward_batch, *args, **kwargs)
-        backend.replay_rids = getattr(forward_batch, "rids", None)
-        try:
+        with backend.replaying(getattr(forward_batch, "rids", None)):
             return base.load_batch(self, forward_batch, *args, **kwargs)
-        finally:
-            backend.replay_rids = None
 
     return type("Vattn" + base.__name__, (base,), {"load_batch": load_batch,
                                                    "__doc__": graph_runner_cls.__doc__})
