@@ -86,7 +86,8 @@ class Engine:
         if graphs:
             from vattn.adapters.sglang.platform import graph_runner_cls
             self.backend.init_cuda_graph_state(max_bs=reqs, max_num_tokens=reqs)
-            self.graph_runner = graph_runner_cls(GraphRunner)(SimpleNamespace(attn_backend=self.backend))
+            self.graph_runner = graph_runner_cls(GraphRunner)(SimpleNamespace(attn_backend=self.backend,
+                                                                              max_bs=reqs))
         self.layers = [RadixAttention(HQ, D, D ** -0.5, HK, layer_id=i) for i in range(L)]
 
     # -- the scheduler's steps ---------------------------------------------------------------------
@@ -172,6 +173,9 @@ class Engine:
                   for r, p, s in zip(reqs, prefixes, seqs) for pos in range(p, s)]
             k = torch.stack([a for a, _ in kv])
             v = torch.stack([b for _, b in kv])
+            pad = fb.batch_size - len(reqs)          # graph padding rows: stored on the pad slot
+            if pad:
+                k, v = (torch.cat([x, torch.zeros(pad, *x.shape[1:])]) for x in (k, v))
             q = torch.ones(k.shape[0], HQ * D)
             fwd = self.backend.forward_extend if mode.is_extend() else self.backend.forward_decode
             fwd(q, k, v, layer, fb)
@@ -190,8 +194,10 @@ class Engine:
                 k_rows = self.pool.get_key_buffer(layer)[slot * c: slot * c + seq]
                 v_rows = self.pool.get_value_buffer(layer)[slot * c: slot * c + seq]
                 want = [kv_of(tokens, pos, layer) for pos in range(seq)]
-                assert torch.equal(k_rows, torch.stack([a for a, _ in want])), (req, layer)
-                assert torch.equal(v_rows, torch.stack([b for _, b in want])), (req, layer)
+                # the message names the request only: a tensor's repr here once ended in a
+                # segmentation fault (GPU machine, torch 2.11) and hid which check failed
+                assert torch.equal(k_rows, torch.stack([a for a, _ in want])), f"{req.rid} layer {layer}: K"
+                assert torch.equal(v_rows, torch.stack([b for _, b in want])), f"{req.rid} layer {layer}: V"
 
     def idle_free(self) -> int:
         """SGLang's idle check: free + evictable tokens."""
@@ -201,19 +207,27 @@ class Engine:
 
 class GraphRunner:
     """SGLang 0.5.17's decode CUDA-graph runner as the attention backend sees it: ``load_batch``
-    hands the backend a replay view of the batch (``build_replay_fb_view``), which carries the
-    padded-capture buffers' fields and no request ids."""
+    pads the batch to a captured size in its persistent buffers (stale request rows, length 1)
+    and hands the backend SGLang's own replay view of it (``build_replay_fb_view``), which has no
+    request ids."""
 
     def __init__(self, model_runner):
         self.attn_backend = model_runner.attn_backend
+        self.max_bs = model_runner.max_bs
 
     def load_batch(self, forward_batch, pp_proxy_tensors=None):
-        view = SimpleNamespace(batch_size=forward_batch.batch_size, num_padding=0,
-                               forward_mode=forward_batch.forward_mode,
-                               req_pool_indices=forward_batch.req_pool_indices.clone(),
-                               seq_lens=forward_batch.seq_lens.clone(),
-                               seq_lens_cpu=forward_batch.seq_lens_cpu.clone(),
-                               out_cache_loc=forward_batch.out_cache_loc, spec_info=None)
+        from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
+        raw = forward_batch.batch_size
+        bs = min(self.max_bs, 1 << (raw - 1).bit_length())      # the captured sizes: powers of 2
+        rows = torch.zeros(bs, dtype=torch.int64)
+        rows[:raw] = forward_batch.req_pool_indices
+        seq = torch.ones(bs, dtype=torch.int64)
+        seq[:raw] = forward_batch.seq_lens
+        buffers = SimpleNamespace(input_ids=torch.zeros(bs, dtype=torch.int64), positions=seq - 1,
+                                  req_pool_indices=rows, seq_lens=seq, seq_lens_cpu=seq.clone(),
+                                  encoder_lens=None, mamba_track_indices=None)
+        view = build_replay_fb_view(forward_batch, buffers, bs, raw, bs, 1,
+                                    forward_batch.forward_mode, False)
         self.attn_backend.init_forward_metadata_out_graph(view)
         return view
 
