@@ -115,6 +115,7 @@ def worker_metrics(worker=None) -> dict:
     from vattn.core.metrics import jsonable
     runtime = rt.current()
     found = runtime.metrics() if hasattr(runtime, "metrics") else runtime.cache.metrics()
+    found["kv_heads"] = runtime.cache.config.num_kv_heads     # this rank's share (tensor parallel)
     return jsonable(found)
 
 
@@ -129,7 +130,10 @@ def _metrics(llm) -> dict | None:
     from vattn.conformance.workers.vllm import worker_metrics as by_name   # pickled by reference
     try:
         found = llm.collective_rpc(by_name)      # the engine core runs in its own process
-        return found[0] if found else None
+        if not found:
+            return None
+        # rank 0's, plus every rank's under tensor parallelism
+        return found[0] | {"ranks": found} if len(found) > 1 else found[0]
     except Exception as exc:  # report, never lose the run's timing for want of metrics
         return {"error": repr(exc)}
 
