@@ -49,6 +49,8 @@ _MARK = "_vattn_patched"
 #: Driver-call retries within a step before a request loses its KV, and preemptions for driver
 #: faults before it is finished with an error (see :class:`~.runtime.VattnRuntime`)
 RETRIES_ENV, PREEMPTIONS_ENV = "VATTN_DRIVER_RETRIES", "VATTN_FAULT_PREEMPTIONS"
+#: a fault drill in a running engine (:func:`_fault_drill`)
+FAULT_DRILL_ENV = "VATTN_FAULT_DRILL"
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +98,68 @@ def _wrap_init_kv(original):
                                    "requests it cannot page are reported with the step's output)")
         result = original(self, *args, **kwargs)
         rt.uninstall()
-        rt.install(rt.VattnRuntime(config, block_size=block_size, retries=_env_int(RETRIES_ENV, 2),
-                                   max_preemptions=_env_int(PREEMPTIONS_ENV, 3)))
+        rank, exchange = _tp_exchange(self.vllm_config)
+        drill = _fault_drill(rank)
+        runtime = rt.VattnRuntime(config, block_size=block_size, retries=_env_int(RETRIES_ENV, 2),
+                                  max_preemptions=_env_int(PREEMPTIONS_ENV, 3), exchange=exchange)
+        if drill is not None:
+            drill(runtime)
+        rt.install(runtime)
         return result
     return initialize_kv_cache
+
+
+def _tp_exchange(vllm_config):
+    """``(this worker's tensor-parallel rank, exchange)``; ``exchange(local kills) -> every
+    rank's kills`` over vLLM's TP CPU group (``None`` at TP=1): one all-reduce of the kill count
+    per step, and a gather of the kills only in a step where some rank killed one."""
+    if int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1) == 1:
+        return 0, None
+    from vllm.distributed import parallel_state
+    group = parallel_state.get_tp_group()
+    import torch
+    import torch.distributed as dist
+
+    def exchange(local: dict) -> list[dict]:
+        count = torch.tensor([len(local)], dtype=torch.int64)
+        dist.all_reduce(count, group=group.cpu_group)
+        if not int(count):
+            return []
+        every: list = [None] * group.world_size
+        dist.all_gather_object(every, local, group=group.cpu_group)
+        return every
+    return group.rank_in_group, exchange
+
+
+def _fault_drill(rank: int):
+    """``$VATTN_FAULT_DRILL`` = ``CALL:RATE[:SEED][@RANK]`` (e.g. ``map:0.3:7@1``): the runtime's
+    driver fails that call at that rate from the first step on, on every worker or on tensor-
+    parallel rank ``RANK`` only; a callable arming the runtime, or ``None`` (unset, other rank)."""
+    text = os.environ.get(FAULT_DRILL_ENV, "").strip()
+    if not text:
+        return None
+    from vattn.core.driver import FaultInjector
+    spec, _, only = text.partition("@")
+    parts = spec.split(":")
+    try:
+        name, rate = parts[0], float(parts[1])
+        seed = int(parts[2]) if len(parts) > 2 else 0
+        only_rank = int(only) if only else None
+        if len(parts) > 3 or not 0.0 < rate <= 1.0:
+            raise ValueError
+    except (IndexError, ValueError):
+        raise ConfigError(f"{FAULT_DRILL_ENV} must be CALL:RATE[:SEED][@RANK] with 0 < RATE <= 1, "
+                          f"e.g. map:0.3:7@1; got {text!r}") from None
+    if only_rank is not None and only_rank != rank:
+        return None
+
+    def arm(runtime) -> None:
+        driver = runtime.cache.driver
+        if not isinstance(driver, FaultInjector):
+            raise ConfigError(f"{FAULT_DRILL_ENV} needs the runtime built on a FaultInjector")
+        driver.arm_rate(name, rate, seed=seed)
+    rt.set_driver_wrapper(FaultInjector)
+    return arm
 
 
 def _env_int(name: str, default: int) -> int:

@@ -77,6 +77,10 @@ class VattnRuntime:
     max_preemptions : int
         Preemptions for driver faults after which a request is finished with an error instead
         (a driver that stays broken for it must not make it loop forever).
+    exchange : callable, optional
+        Tensor parallelism: ``{req_id: failure}`` of this rank's kills this step -> every rank's
+        (a collective over the TP group, :func:`.kv_hooks._tp_exchange`); every rank then kills
+        the union before it builds the step's rows.
 
     Faults and shortfalls
     ---------------------
@@ -89,7 +93,7 @@ class VattnRuntime:
     """
 
     def __init__(self, config: KVCacheConfig, *, block_size: int | None = None,
-                 retries: int = 2, max_preemptions: int = 3):
+                 retries: int = 2, max_preemptions: int = 3, exchange=None):
         self.faults = FaultBook(retries, max_preemptions)
         driver, wrap = None, driver_wrapper()
         if wrap is not None:
@@ -114,6 +118,9 @@ class VattnRuntime:
         self._plan: StepPlan | None = None
         self._backend: dict[str, str] = {}
         self._step_hits: dict[str, set] = {}   # this step's prefix-cache hits per new request
+        #: tensor parallelism: ``local kills -> every rank's kills`` (a collective; the hooks
+        #: pass it when the TP group has more than one rank), so all ranks leave the same rows out
+        self.exchange = exchange
 
     @property
     def counts(self) -> dict:
@@ -270,7 +277,7 @@ class VattnRuntime:
         return None
 
     def kill(self, req_id: str, reason: str, *, before: int = 0, action: str | None = None,
-             fault: bool = False, throttle: bool = False) -> None:
+             fault: bool = False, throttle: bool = False, evict: list | None = None) -> None:
         """Drop ``req_id``'s KV: release its slot, leave its rows out of this step and hand it to
         vLLM's scheduler (:meth:`take_failures`) to preempt (``action`` default: preempt, or error
         once it was preempted ``max_preemptions`` times for driver faults: ``fault``). ``before``: tokens it
@@ -278,15 +285,18 @@ class VattnRuntime:
         vLLM's prefix cache and dropped from vattn's keys: this step's KV of them is never
         written. Requests of this step that hit one of those blocks are killed too.
         ``throttle``: the pool is dry,
-        vLLM should admit no more requests than it runs until one finishes."""
+        vLLM should admit no more requests than it runs until one finishes. ``evict``: the blocks
+        to evict, as another rank decided them (instead of ``before``)."""
         if req_id in self.faults.dead:
             return
         action, reason = self.faults.decide(req_id, reason, action, fault)
         slot = self._slot_of.pop(req_id, None)
         self._blocks.pop(req_id, None)
-        evict = []
-        if self.sharing:
+        if not self.sharing:
+            evict = []
+        elif evict is None:
             evict = self._block_ids.get(req_id, [])[before // self.block_size:]
+        if evict:
             self.cache.forget(evict)
         if slot is not None:
             self.cache.release(slot)
@@ -313,6 +323,20 @@ class VattnRuntime:
                               f"(raise VATTN_PAGE_BUDGET)", before=before, action=ERROR)
         else:
             self.kill(req_id, f"out of pages for {tokens} tokens (pool dry)", before=before, throttle=True)
+
+    def _agree(self) -> None:
+        """Tensor parallelism: kill what any rank killed this step, so that every rank leaves the
+        same rows out and rank 0 (whose output the scheduler reads) reports every kill. The
+        scheduler's output is the same on every rank, so a kill for pages decided the same way
+        (the pool, prefix hits) happens everywhere already; a driver fault is one rank's own."""
+        local = {r: {"action": f["action"], "reason": f["reason"], "evict": f["evict"]}
+                 for r, f in self.faults.failures.items()}
+        for theirs in self.exchange(local):
+            for req_id, f in theirs.items():
+                if req_id not in self.faults.dead:
+                    reason = f["reason"].removeprefix("vattn: ")
+                    self.kill(req_id, f"{reason} (on another tensor-parallel rank)",
+                              action=f["action"], evict=f["evict"])
 
     def take_failures(self) -> dict[str, dict]:
         """The requests killed since the last call, for vLLM's scheduler (see :data:`FAILED_ATTR`)."""
@@ -381,6 +405,8 @@ class VattnRuntime:
             req_id, done, new = owner[victim]
             self._kill_unpaged(req_id, "short", done, done + new)
             lengths.pop(victim)
+        if self.exchange is not None:
+            self._agree()
         self._plan = self._build_plan(batch)
         return [req_id for req_id, _, _ in batch if req_id in self.faults.dead]
 

@@ -51,3 +51,26 @@ def test_tp2_identity_with_prefix_caching_and_ranks_agree(tiny_model):
     same = ("pages_mapped", "map_calls", "unmap_calls", "prefix_hits", "pages_aliased", "keys_bound",
             "page_sets_moved", "active_slots")
     assert {k: ranks[0][k] for k in same} == {k: ranks[1][k] for k in same}
+
+
+def test_tp2_a_driver_fault_on_one_rank_is_a_kill_on_every_rank(tiny_model):
+    """Rank 1's driver fails 30 % of its map calls, rank 0's none: every kill reaches both ranks
+    (one leaves out the rows the other computes otherwise, and the scheduler, reading rank 0's
+    output, never hears of it: that request's tokens come out wrong). The affected requests are
+    preempted through vLLM and recomputed; every request that finished equals stock's."""
+    from vattn.conformance.runners.vllm import VllmRunner
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": f"{CPUS[0]}|{CPUS[1]}"}
+    args = {"llm_kwargs": {"tensor_parallel_size": 2}, "prefix_caching": "default", "block_size": 32}
+    prompts = _prompts(seed=5)
+    stock = VllmRunner(device="cpu", max_num_seqs=4, engine_args=args, engine_env=bind).run(
+        "stock", tiny_model, prompts, 12, logprobs=0)
+    drill = VllmRunner(device="cpu", max_num_seqs=4, engine_args=args,
+                       engine_env=bind | {"VATTN_FAULT_DRILL": "map:0.3:7@1"})
+    vattn = drill.run("vattn", tiny_model, prompts, 12, logprobs=0)
+    ranks = vattn.extra["vattn_metrics"]["ranks"]
+    killed = [r["requests_preempted"] + r["requests_failed"] for r in ranks]
+    assert killed[0] == killed[1] > 0, ranks                 # rank 1's faults, killed on both
+    assert ranks[1]["driver_retries"] > 0 and ranks[0]["driver_retries"] == 0
+    finished = [i for i, t in enumerate(vattn.token_ids) if len(t) == 12]
+    assert len(finished) >= len(prompts) - ranks[0]["requests_failed"]
+    assert [vattn.token_ids[i] for i in finished] == [stock.token_ids[i] for i in finished]
