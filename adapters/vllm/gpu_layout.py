@@ -99,7 +99,7 @@ def block_size_for_vllm(vllm_config) -> int:
     """The ``block_size`` vattn needs for this engine config (the backend's preferred size)."""
     cache, model, par = vllm_config.cache_config, vllm_config.model_config, vllm_config.parallel_config
     return tokens_per_page(num_kv_heads=model.get_num_kv_heads(par), head_dim=model.get_head_size(),
-                           dtype=_kv_dtype(model, vllm_config.cache_config),
+                           dtype=_kv_dtype(model, cache),
                            group_size=group_size_for(model.get_num_layers(par)))
 
 
