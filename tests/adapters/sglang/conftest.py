@@ -58,6 +58,24 @@ if importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("
     sys.meta_path.insert(0, _TorchvisionStandIn())
 
 
+def _python_frames_on_a_crash() -> None:
+    """``tvm_ffi`` (an SGLang dependency) installs its own SIGSEGV handler when it loads, over
+    Python's faulthandler, and prints C frames only (a crash on the GPU machine named no test
+    line). Load it now and put faulthandler back on top: it dumps the Python frames, then
+    chains to the handler it replaced."""
+    if importlib.util.find_spec("tvm_ffi") is None:
+        return
+    import faulthandler
+    try:
+        import tvm_ffi  # noqa: F401
+    except Exception:       # a broken optional dependency: leave the handlers alone
+        return
+    faulthandler.enable(all_threads=True)
+
+
+_python_frames_on_a_crash()
+
+
 # -- SGLang's own KV-cache configurator on the CPU ------------------------------------------------
 import json  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
