@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from .errors import ConfigError
 
-__all__ = ["KVCacheConfig", "SCRUB_POLICIES", "MAX_AUTO_RANGES", "auto_group_size", "engine_group_size"]
+__all__ = ["KVCacheConfig", "SCRUB_POLICIES", "MAX_AUTO_RANGES", "auto_group_size", "engine_group_size",
+           "env_int"]
 
 #: ``group_size=None`` picks the smallest group giving at most this many VA ranges, so a request
 #: wastes at most this many partly filled pages (16 MiB with 2 MiB pages). Measured on the H200
@@ -124,3 +126,24 @@ def _check_budget(budget) -> None:
         raise ConfigError(f"a fractional page_budget must be in (0, 1], got {budget}")
     if isinstance(budget, int) and budget <= 0:
         raise ConfigError(f"page_budget in bytes must be positive, got {budget}")
+
+
+def env_int(name: str, default: int | None = None, *, minimum: int | None = None) -> int | None:
+    """The integer in environment variable ``name`` (``default`` when unset or empty).
+
+    Raises
+    ------
+    ConfigError
+        The value is not an integer, or is below ``minimum``.
+    """
+    raw = os.environ.get(name, "")
+    if raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or (minimum is not None and value < minimum):
+        floor = "" if minimum is None else f" >= {minimum}"
+        raise ConfigError(f"{name} must be an integer{floor}, got {raw!r}")
+    return value

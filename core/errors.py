@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "VattnError", "ConfigError", "SlotError", "ContextLengthError", "TensorError",
-    "UnsupportedError", "DriverError", "InjectedFault",
+    "UnsupportedError", "DriverError", "InjectedFault", "retry_driver",
 ]
 
 
@@ -57,3 +57,19 @@ class InjectedFault(DriverError):
 
 def _fmt(value) -> str:
     return hex(value) if isinstance(value, int) and value > 4096 else repr(value)
+
+
+def retry_driver(call, retries: int, on_retry=None):
+    """``call()`` run up to ``retries + 1`` times while it raises :class:`DriverError` (the
+    cache's calls leave nothing half done when a driver call fails, so a retry continues where
+    the failed call stopped); the last error propagates. ``on_retry()`` runs before each retry."""
+    if retries < 0:
+        raise ConfigError(f"retries must be >= 0, got {retries}")
+    for attempt in range(retries + 1):
+        try:
+            return call()
+        except DriverError:
+            if attempt == retries:
+                raise
+            if on_retry is not None:
+                on_retry()

@@ -96,10 +96,13 @@ class LateIds:
         The pool's cache.
     page_size : int
         SGLang's page size (a token index ``// page_size`` is its page id).
+    retry : callable, optional
+        ``retry(call)``: runs a cache call, retrying it while a driver call fails.
     """
 
-    def __init__(self, cache, page_size: int):
+    def __init__(self, cache, page_size: int, retry=None):
         self.cache, self.page_size = cache, page_size
+        self.retry = retry or (lambda call: call())
         self._landing = Landing()               # payload: (slots, page-set indices)
 
     def __len__(self) -> int:
@@ -118,7 +121,7 @@ class LateIds:
         counts, index = _spans(low, high)
         slot_rep = np.repeat(slots, counts)
         for slot, i in zip(slot_rep.tolist(), index.tolist()):
-            if not self.cache.claim(slot, i):
+            if not self.retry(lambda: self.cache.claim(slot, i)):
                 raise VattnError(f"vattn could not map page-set {i} of slot {slot} although SGLang "
                                  f"allocated its page; capacity: {self.cache.capacity()}")
         ids, _ = page_cells(req_to_token, self.page_size, rows, low, high)
@@ -133,6 +136,6 @@ class LateIds:
         slots, index = where
         ids = (host.to(torch.int64).numpy() // self.page_size).tolist()
         items = [(s, i, [pid], 0) for s, i, pid in zip(slots.tolist(), index.tolist(), ids)]
-        failed = self.cache.bind_many(items)
+        failed = self.retry(lambda: self.cache.bind_many(items))
         if failed:
             raise VattnError(f"vattn could not bind the claimed page-sets of slots {failed}")

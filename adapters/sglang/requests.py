@@ -38,13 +38,16 @@ import time
 import numpy as np
 import torch
 
-from vattn.core.errors import ConfigError, SlotError, VattnError
+from vattn.core.config import env_int
+from vattn.core.errors import ConfigError, DriverError, SlotError, VattnError, retry_driver
 from vattn.core.metrics import Histogram
 
 from .late_ids import LateIds, page_cells
 
 #: Slot reserved for SGLang's padding row 0 and CUDA-graph padding (held by the pool).
 PAD_SLOT = 0
+#: times a failed driver call is retried within a forward (default 2)
+RETRIES_ENV = "VATTN_DRIVER_RETRIES"
 
 
 class RequestSlots:
@@ -56,9 +59,13 @@ class RequestSlots:
         The pool's cache; one SGLang page = one page-set (``layout.tokens_for(1)`` tokens).
     page_size : int
         SGLang's page size.
+    retries : int, optional
+        Times a cache call whose driver call failed is retried within a forward (default
+        ``$VATTN_DRIVER_RETRIES`` or 2); past that the :class:`DriverError` propagates: SGLang
+        has no way for the attention backend to preempt one request, so the step fails.
     """
 
-    def __init__(self, cache, *, page_size: int):
+    def __init__(self, cache, *, page_size: int, retries: int | None = None):
         if cache.layout.tokens_for(1) != page_size:
             raise ConfigError(f"SGLang page_size {page_size} must equal the tokens of one vattn "
                               f"page-set ({cache.layout.tokens_for(1)})")
@@ -73,7 +80,9 @@ class RequestSlots:
         self._held: dict[int, list[int]] = {}        # slot -> page ids held back from SGLang
         self._row_of_rid: dict[str, int] = {}        # request id -> row (learnt at its extend)
         self._rid_of_row: dict[int, str] = {}
-        self.late = LateIds(cache, page_size)        # page-sets claimed, ids not bound yet
+        self.retries = env_int(RETRIES_ENV, 2, minimum=0) if retries is None else int(retries)
+        self.driver_retries = 0                      # driver calls retried (a metric)
+        self.late = LateIds(cache, page_size, self.retry)   # page-sets claimed, ids not bound yet
         #: reads from the device that waited for it: the rows of a batch with an unknown request
         #: id, the page ids of prefix hits (decode and hit-less extends read nothing)
         self.device_reads = 0
@@ -81,6 +90,18 @@ class RequestSlots:
         #: host time per forward (prepare) and per free, microseconds
         self.extend_us, self.decode_us, self.free_us = Histogram(), Histogram(), Histogram()
         self.on_idle = None                          # called when the last running request leaves
+
+    def retry(self, call):
+        """``call()`` (a cache call), retried while a driver call fails."""
+        try:
+            return retry_driver(call, self.retries, self._count_retry)
+        except DriverError as exc:
+            exc.add_note(f"vattn: still failing after {self.retries} retries ({RETRIES_ENV}); "
+                         "SGLang cannot preempt one request from the attention backend")
+            raise
+
+    def _count_retry(self) -> None:
+        self.driver_retries += 1
 
     # -- wiring ------------------------------------------------------------------------------------
     def attach(self, req_to_token_pool) -> None:
@@ -275,8 +296,8 @@ class RequestSlots:
             self._acquire(rows, seq, new, dict(zip(hit_at.tolist(), hit_ids)))
         slots = self.slot_of[rows]
         if hit_at.size:
-            failed = self.cache.bind_many([(int(slots[i]), 0, ids, len(ids))
-                                           for i, ids in zip(hit_at.tolist(), hit_ids)])
+            items = [(int(slots[i]), 0, ids, len(ids)) for i, ids in zip(hit_at.tolist(), hit_ids)]
+            failed = self.retry(lambda: self.cache.bind_many(items))
             if failed:
                 raise VattnError(f"vattn could not map the page-sets of slots {failed} although "
                                  f"SGLang allocated their pages; capacity: {self.cache.capacity()}")
@@ -285,7 +306,7 @@ class RequestSlots:
         if need.size:
             self.late.claim(self.req_to_token, rows[need], slots[need], low[need], want[need])
         self.bound[rows[need]] = want[need]
-        self.cache.step(slots, seq)              # lengths, and pages mapped ahead in the background
+        self.retry(lambda: self.cache.step(slots, seq))   # lengths; pages mapped ahead in the background
         hist = self.decode_us if prefix_lens is None else self.extend_us
         hist.observe((time.perf_counter() - start) * 1e6)
         return slots
@@ -305,7 +326,8 @@ class RequestSlots:
         hit page was mapped (a repeated prompt, the next turn of a conversation)."""
         for i in np.flatnonzero(new).tolist():
             ids = hit_ids.get(i)
-            slot = self.cache.acquire(expected_len=int(seq[i]), prefer=ids[-1] if ids else None)
+            slot = self.retry(lambda: self.cache.acquire(expected_len=int(seq[i]),
+                                                         prefer=ids[-1] if ids else None))
             self.slot_of[rows[i]] = slot
             self.bound[rows[i]] = 0
             self._row_of[slot] = int(rows[i])

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
 
 from vattn.core import KVCacheConfig
+from vattn.core.config import env_int
 from vattn.core.errors import ConfigError
 from vattn.core.layout import KVLayout, layout_report
 
@@ -91,7 +91,7 @@ def group_size_for(layer_num: int, group_size: int | None = None) -> int:
     """Layers per VA range: ``group_size``, else ``VATTN_SGLANG_GROUP_SIZE``, else the engines'
     default (:func:`vattn.core.config.engine_group_size`: 4 where it divides ``layer_num``)."""
     from vattn.core.config import engine_group_size
-    return group_size or _env_int("VATTN_SGLANG_GROUP_SIZE") or engine_group_size(layer_num)
+    return group_size or env_int("VATTN_SGLANG_GROUP_SIZE") or engine_group_size(layer_num)
 
 
 def page_size_for(*, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int,
@@ -163,7 +163,7 @@ def cache_config(*, num_tokens: int, dtype: torch.dtype, head_num: int, head_dim
     num_tokens, max_context = int(num_tokens), int(max_context)
     group_size = group_size_for(layer_num, group_size)
     if map_ahead_tokens is None:
-        map_ahead_tokens = _env_int("VATTN_SGLANG_MAP_AHEAD")
+        map_ahead_tokens = env_int("VATTN_SGLANG_MAP_AHEAD")
     if map_ahead_tokens is None:
         map_ahead_tokens = 0 if torch.device(device).type == "cpu" else 256
     token_bytes = layout_report(num_layers=layer_num, num_kv_heads=head_num, head_dim=head_dim,
@@ -197,13 +197,3 @@ def check_fit(pool, req_to_token_pool) -> None:
     if need > pool.max_requests:
         raise ConfigError(f"SGLang may run {need} requests at once, the vattn cache has "
                           f"{pool.max_requests} slots; raise --max-running-requests")
-
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw in (None, ""):
-        return None
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name} must be an integer, got {raw!r}") from exc

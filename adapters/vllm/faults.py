@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from vattn.core.errors import ConfigError, DriverError
+from vattn.core.errors import ConfigError, DriverError, retry_driver
 
 __all__ = ["FaultBook", "PREEMPT", "ERROR"]
 
@@ -45,14 +45,14 @@ class FaultBook:
     def retry(self, call) -> tuple[bool, str]:
         """Run a cache call (True: done, False: the pool is short) up to ``retries + 1`` times
         while it raises :class:`DriverError`; returns ``(ok, why not)``."""
-        for attempt in range(self.retries + 1):
-            try:
-                return (True, "") if call() else (False, "short")
-            except DriverError as exc:
-                last = exc
-                if attempt < self.retries:
-                    self.counts["driver_retries"] += 1
-        return False, f"driver: {last}"
+        try:
+            done = retry_driver(call, self.retries, self._count_retry)
+        except DriverError as last:
+            return False, f"driver: {last}"
+        return (True, "") if done else (False, "short")
+
+    def _count_retry(self) -> None:
+        self.counts["driver_retries"] += 1
 
     def decide(self, req_id: str, reason: str, action: str | None, fault: bool) -> tuple[str, str]:
         """The action for a request losing its KV (default: preempt, or error once it was

@@ -31,6 +31,7 @@ import os
 import time
 import weakref
 
+from vattn.core.config import env_int
 from vattn.core.errors import ConfigError, UnsupportedError
 
 from . import runtime as rt
@@ -100,8 +101,8 @@ def _wrap_init_kv(original):
         rt.uninstall()
         rank, exchange = _tp_exchange(self.vllm_config)
         drill = _fault_drill(rank)
-        runtime = rt.VattnRuntime(config, block_size=block_size, retries=_env_int(RETRIES_ENV, 2),
-                                  max_preemptions=_env_int(PREEMPTIONS_ENV, 3), exchange=exchange)
+        runtime = rt.VattnRuntime(config, block_size=block_size, retries=env_int(RETRIES_ENV, 2, minimum=0),
+                                  max_preemptions=env_int(PREEMPTIONS_ENV, 3, minimum=0), exchange=exchange)
         if drill is not None:
             drill(runtime)
         rt.install(runtime)
@@ -160,17 +161,6 @@ def _fault_drill(rank: int):
         driver.arm_rate(name, rate, seed=seed)
     rt.set_driver_wrapper(FaultInjector)
     return arm
-
-
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name, str(default))
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ConfigError(f"{name} must be an int >= 0, got {text!r}")
-    return value
 
 
 def _shared_block_size(vllm_config, kv_cache_config) -> int | None:

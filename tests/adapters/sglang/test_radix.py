@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("sglang.srt.mem_cache.radix_cache", reason="sglang (CPU import set) not installed")
 
-from tests.adapters.sglang._engine import PAGE, Engine, new_req  # noqa: E402
+from tests.adapters.sglang._engine import PAGE, TOKEN_BYTES, Engine, new_req  # noqa: E402
 from vattn.core.errors import SlotError, UnsupportedError, VattnError  # noqa: E402
 
 P = list(range(100, 140))                         # a 40-token prompt: 2 whole pages + 8 tokens
@@ -237,9 +237,49 @@ def test_many_requests_churn_without_leaks(radix, rids, defer):
     in the forward batches (SGLang's) decode never reads rows from the device, without them it
     reads them every step. ``defer``: freed page ids are settled at the next allocation (the
     GPU's way), so SGLang's checks see them free before vattn has forgotten them."""
-    import random
-    rng = random.Random(5 if radix else 6)
     e = Engine(reqs=5, page_sets=24, radix=radix, rids=rids, defer_frees=defer)
+    hit_admissions = _churn(e, 5 if radix else 6)
+    reads = e.pool.requests.device_reads
+    assert reads == hit_admissions if rids else reads > hit_admissions   # with ids: hits only
+    e.alloc.drain_frees(wait=True)
+    assert e.alloc.available_size() == e.alloc.size and e.cache.metrics()["keys_held"] == 0
+    e.cache.audit()
+
+
+def test_churn_with_driver_faults_is_retried_and_corrupts_nothing():
+    """The churn with the cache's driver failing 20 % of its map and set-access calls: each
+    failed call is retried within the forward and every request's K/V is still exactly its own
+    after every forward (Engine.check), nothing leaks."""
+    from vattn.core.driver import FaultInjector, HostDriver
+    driver = FaultInjector(HostDriver(granularity=PAGE * TOKEN_BYTES))
+    e = Engine(reqs=5, page_sets=24, radix=True, defer_frees=True, driver=driver)
+    e.pool.requests.retries = 6
+    driver.arm_rate("map", 0.2, seed=1)
+    driver.arm_rate("set_access", 0.2, seed=2)
+    _churn(e, 7)
+    assert driver.injected["map"] > 0 and driver.injected["set_access"] > 0
+    assert e.pool.requests.driver_retries == sum(driver.injected.values())
+    e.cache.audit()
+
+
+def test_a_driver_call_that_keeps_failing_fails_the_forward_and_says_why():
+    from vattn.core.driver import FaultInjector, HostDriver
+    from vattn.core.errors import DriverError
+    driver = FaultInjector(HostDriver(granularity=PAGE * TOKEN_BYTES))
+    e = Engine(reqs=4, page_sets=12, radix=True, driver=driver)
+    e.pool.requests.retries = 1
+    driver.arm_rate("map", 1.0)
+    with pytest.raises(DriverError) as info:
+        e.admit([new_req(P)])
+    assert "still failing after 1 retries (VATTN_DRIVER_RETRIES)" in "".join(info.value.__notes__)
+    assert e.pool.requests.driver_retries == 1
+
+
+def _churn(e, seed: int) -> int:
+    """Random admission / decode / finish / retract / evict on ``e``, audited after every step,
+    everything finished and settled at the end; returns the admissions that hit a prefix."""
+    import random
+    rng = random.Random(seed)
     prefixes = [list(range(1000 + 97 * i, 1000 + 97 * i + n)) for i, n in enumerate((21, 37, 50))]
     running, hit_admissions = [], 0
     for step in range(60):
@@ -262,11 +302,7 @@ def test_many_requests_churn_without_leaks(radix, rids, defer):
     e.evict_all()
     assert e.alloc.available_size() == e.alloc.size
     assert e.pool.requests.held_pages() == 0
-    reads = e.pool.requests.device_reads
-    assert reads == hit_admissions if rids else reads > hit_admissions   # with ids: hits only
-    e.alloc.drain_frees(wait=True)
-    assert e.alloc.available_size() == e.alloc.size and e.cache.metrics()["keys_held"] == 0
-    e.cache.audit()
+    return hit_admissions
 
 
 def test_a_model_that_stores_kv_itself_is_refused():
