@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "VattnError", "ConfigError", "SlotError", "ContextLengthError", "TensorError",
     "UnsupportedError", "DriverError", "InjectedFault", "retry_driver",
+    "DriverRetry",
 ]
 
 
@@ -73,3 +74,26 @@ def retry_driver(call, retries: int, on_retry=None):
                 raise
             if on_retry is not None:
                 on_retry()
+
+
+class DriverRetry:
+    """Runs cache calls, each retried up to ``retries`` times while a driver call fails
+    (:func:`retry_driver`); ``retried`` counts the retries. When a call still fails, its
+    :class:`DriverError` propagates with a note: ``still failing after N retries``, then
+    ``after`` (what that means for the caller)."""
+
+    def __init__(self, retries: int, after: str = ""):
+        if retries < 0:
+            raise ConfigError(f"retries must be >= 0, got {retries}")
+        self.retries, self.after, self.retried = retries, after, 0
+
+    def __call__(self, call):
+        try:
+            return retry_driver(call, self.retries, self._count)
+        except DriverError as exc:
+            exc.add_note(f"vattn: still failing after {self.retries} retries" +
+                         (f"; {self.after}" if self.after else ""))
+            raise
+
+    def _count(self) -> None:
+        self.retried += 1

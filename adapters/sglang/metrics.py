@@ -27,7 +27,7 @@ def allocator_metrics(alloc) -> dict:
     return jsonable(cache.metrics() | {
         "alloc_extend_us": alloc.extend_us.as_dict(), "alloc_decode_us": alloc.decode_us.as_dict(),
         "free_us": alloc.free_us.as_dict(), "prewarmed_pages": alloc.prewarmed_pages,
-        "device_reads": alloc.requests.device_reads, "driver_retries": alloc.requests.driver_retries,
+        "device_reads": alloc.requests.device_reads, "driver_retries": alloc.requests.retry.retried,
         "rows_per_slot": alloc.rows_per_slot, "max_slots": cache.config.max_slots,
         "layout": cache_layout_row(cache.config, cache.layout.page_bytes)})
 

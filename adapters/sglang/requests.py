@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from vattn.core.config import env_int
-from vattn.core.errors import ConfigError, DriverError, SlotError, VattnError, retry_driver
+from vattn.core.errors import ConfigError, DriverRetry, SlotError, VattnError
 from vattn.core.metrics import Histogram
 
 from .late_ids import LateIds, page_cells
@@ -80,8 +80,10 @@ class RequestSlots:
         self._held: dict[int, list[int]] = {}        # slot -> page ids held back from SGLang
         self._row_of_rid: dict[str, int] = {}        # request id -> row (learnt at its extend)
         self._rid_of_row: dict[int, str] = {}
-        self.retries = env_int(RETRIES_ENV, 2, minimum=0) if retries is None else int(retries)
-        self.driver_retries = 0                      # driver calls retried (a metric)
+        #: runs a cache call, retried while a driver call fails (``retried``: a metric)
+        self.retry = DriverRetry(env_int(RETRIES_ENV, 2, minimum=0) if retries is None else int(retries),
+                                 f"{RETRIES_ENV}; SGLang cannot preempt one request from the "
+                                 "attention backend")
         self.late = LateIds(cache, page_size, self.retry)   # page-sets claimed, ids not bound yet
         #: reads from the device that waited for it: the rows of a batch with an unknown request
         #: id, the page ids of prefix hits (decode and hit-less extends read nothing)
@@ -90,18 +92,6 @@ class RequestSlots:
         #: host time per forward (prepare) and per free, microseconds
         self.extend_us, self.decode_us, self.free_us = Histogram(), Histogram(), Histogram()
         self.on_idle = None                          # called when the last running request leaves
-
-    def retry(self, call):
-        """``call()`` (a cache call), retried while a driver call fails."""
-        try:
-            return retry_driver(call, self.retries, self._count_retry)
-        except DriverError as exc:
-            exc.add_note(f"vattn: still failing after {self.retries} retries ({RETRIES_ENV}); "
-                         "SGLang cannot preempt one request from the attention backend")
-            raise
-
-    def _count_retry(self) -> None:
-        self.driver_retries += 1
 
     # -- wiring ------------------------------------------------------------------------------------
     def attach(self, req_to_token_pool) -> None:

@@ -23,7 +23,8 @@ import torch
 
 from vattn.core import KVCacheConfig, VirtualKVCache
 from vattn.core.layout import cache_layout_row
-from vattn.core.errors import ConfigError, VattnError
+from vattn.core.config import env_int
+from vattn.core.errors import ConfigError, DriverRetry, VattnError
 from vattn.core.metrics import Histogram
 
 from .slot_tables import SlotTables
@@ -59,11 +60,17 @@ class GpuRuntime:
 
     def __init__(self, config: KVCacheConfig, *, block_size: int, layer_names: list[str],
                  max_num_tokens: int, attn_margin: int = 0, max_model_len: int | None = None,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, driver=None, retries: int | None = None):
         start = time.perf_counter()
         if len(layer_names) != config.num_layers:
             raise ConfigError(f"{len(layer_names)} layer names for a cache of {config.num_layers} layers")
-        self.cache = VirtualKVCache(config)
+        self.cache = VirtualKVCache(config, driver=driver)
+        #: times a cache call whose driver call failed is retried within the step (default
+        #: ``$VATTN_DRIVER_RETRIES`` or 2); past that the error propagates (no preemption path
+        #: on the GPU runner yet)
+        self._retry = DriverRetry(env_int("VATTN_DRIVER_RETRIES", 2, minimum=0) if retries is None
+                                  else int(retries),
+                                  "VATTN_DRIVER_RETRIES; the GPU runner has no preemption path for it yet")
         lay = self.cache.layout
         if lay.tokens_for(1) != block_size or lay.pages_for(block_size) != 1:
             raise ConfigError(f"block_size {block_size} is not one page-set ({lay.tokens_for(1)} tokens)")
@@ -107,7 +114,8 @@ class GpuRuntime:
             if index in self._slot:                     # re-added without a removal: a new request
                 self.release(index)
             prefer = block_ids[hits - 1] if self.sharing and hits else None
-            slot = self._slot[index] = self.cache.acquire(expected_len=tokens, prefer=prefer)
+            slot = self._slot[index] = self._retry(
+                lambda: self.cache.acquire(expected_len=tokens, prefer=prefer))
             self.tables.assign(index, slot)
         elif index not in self._slot:
             raise VattnError(f"request index {index} got blocks but holds no vattn slot")
@@ -133,8 +141,9 @@ class GpuRuntime:
         if self._binds:
             # new requests come before running ones here (vLLM adds them first), but a new one
             # may hit a block a running one is given this step: bind_many orders them
-            failed = self.cache.bind_many([(self._slot[index], first, ids, hits)
-                                           for index, (first, ids, hits) in self._binds.items()])
+            items = [(self._slot[index], first, ids, hits)
+                     for index, (first, ids, hits) in self._binds.items()]
+            failed = self._retry(lambda: self.cache.bind_many(items))
             self._binds.clear()
             if failed:
                 raise VattnError(f"vattn could not map the page-sets of slots {failed} although vLLM "
@@ -146,7 +155,7 @@ class GpuRuntime:
             self._pending.clear()
             # ensure + one block mapped ahead in the background (a reused warm slot's surplus
             # stays reclaimable)
-            failed = self.cache.step(slots, lengths)
+            failed = self._retry(lambda: self.cache.step(slots, lengths))
             if failed:
                 raise VattnError(f"vattn could not map pages for slots {failed} although vLLM "
                                  f"allocated their blocks; capacity: {self.cache.capacity()}")
@@ -192,6 +201,7 @@ class GpuRuntime:
         return self.cache.metrics() | {
             "apply_step_us": self.step_us.as_dict(), "on_blocks_us": self.blocks_us.as_dict(),
             "prewarmed_pages": self.prewarmed_pages, "init_s": self.init_s,
+            "driver_retries": self._retry.retried,
             "slot_mapping": "triton" if self.tables.fused else f"torch ({self.tables.fused_error or 'not CUDA'})",
             "block_size": self.block_size, "rows_per_slot": self.rows_per_slot,
             "prefix_caching": self.sharing,

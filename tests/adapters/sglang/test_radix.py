@@ -253,12 +253,12 @@ def test_churn_with_driver_faults_is_retried_and_corrupts_nothing():
     from vattn.core.driver import FaultInjector, HostDriver
     driver = FaultInjector(HostDriver(granularity=PAGE * TOKEN_BYTES))
     e = Engine(reqs=5, page_sets=24, radix=True, defer_frees=True, driver=driver)
-    e.pool.requests.retries = 6
+    e.pool.requests.retry.retries = 6
     driver.arm_rate("map", 0.2, seed=1)
     driver.arm_rate("set_access", 0.2, seed=2)
     _churn(e, 7)
     assert driver.injected["map"] > 0 and driver.injected["set_access"] > 0
-    assert e.pool.requests.driver_retries == sum(driver.injected.values())
+    assert e.pool.requests.retry.retried == sum(driver.injected.values())
     e.cache.audit()
 
 
@@ -267,12 +267,12 @@ def test_a_driver_call_that_keeps_failing_fails_the_forward_and_says_why():
     from vattn.core.errors import DriverError
     driver = FaultInjector(HostDriver(granularity=PAGE * TOKEN_BYTES))
     e = Engine(reqs=4, page_sets=12, radix=True, driver=driver)
-    e.pool.requests.retries = 1
+    e.pool.requests.retry.retries = 1
     driver.arm_rate("map", 1.0)
     with pytest.raises(DriverError) as info:
         e.admit([new_req(P)])
-    assert "still failing after 1 retries (VATTN_DRIVER_RETRIES)" in "".join(info.value.__notes__)
-    assert e.pool.requests.driver_retries == 1
+    assert "still failing after 1 retries; VATTN_DRIVER_RETRIES" in "".join(info.value.__notes__)
+    assert e.pool.requests.retry.retried == 1
 
 
 def _churn(e, seed: int) -> int:

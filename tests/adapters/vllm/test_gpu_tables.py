@@ -117,7 +117,7 @@ def test_upload_only_when_changed_and_clear():
         t.assign(0, 11)
 
 
-def _runtime(num_blocks=9, reqs=3, max_len=4000, exact=False, prefix_caching=False):
+def _runtime(num_blocks=9, reqs=3, max_len=4000, exact=False, prefix_caching=False, driver=None):
     cfg = gl.cache_config(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32,
                           num_blocks=num_blocks, max_num_reqs=reqs, max_model_len=max_len, device="cpu",
                           group_size=2, exact=exact)
@@ -125,7 +125,7 @@ def _runtime(num_blocks=9, reqs=3, max_len=4000, exact=False, prefix_caching=Fal
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
     return GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=64,
                       attn_margin=gl.EXACT_MARGIN if exact else 0, max_model_len=max_len,
-                      prefix_caching=prefix_caching), block
+                      prefix_caching=prefix_caching, driver=driver), block
 
 
 @pytest.mark.parametrize("max_len", [4000, 4096, 4090])
@@ -271,15 +271,7 @@ def _reads(rt, index, block_index, value):
 def test_prefix_caching_maps_cached_blocks_into_the_new_request():
     rt, _ = _runtime(prefix_caching=True)                # 8 blocks for requests
     try:
-        rt.on_blocks(0, 3, new_request=True, block_ids=[1, 2, 3])
-        rt.apply()
-        for i, v in enumerate((11, 12, 13)):
-            _fill(rt, 0, i, v)
-        rt.on_blocks(1, 3, new_request=True, block_ids=[1, 2, 4], hits=2)
-        rt.apply()
-        assert _reads(rt, 1, 0, 11) and _reads(rt, 1, 1, 12)     # the hit, through its own slot
-        _fill(rt, 1, 2, 99)
-        assert _reads(rt, 0, 2, 13)                              # its own block stays private
+        _two_requests_sharing_two_blocks(rt)
         rt.release(0)
         maps = rt.cache.metrics()["map_calls"]
         rt.on_blocks(2, 4, new_request=True, block_ids=[1, 2, 3, 5], hits=3)
@@ -289,6 +281,19 @@ def test_prefix_caching_maps_cached_blocks_into_the_new_request():
         rt.cache.audit()
     finally:
         rt.close()
+
+
+def _two_requests_sharing_two_blocks(rt) -> None:
+    """Request 0 writes blocks 1-3; request 1 hits blocks 1 and 2 and writes its own block 4."""
+    rt.on_blocks(0, 3, new_request=True, block_ids=[1, 2, 3])
+    rt.apply()
+    for i, v in enumerate((11, 12, 13)):
+        _fill(rt, 0, i, v)
+    rt.on_blocks(1, 3, new_request=True, block_ids=[1, 2, 4], hits=2)
+    rt.apply()
+    assert _reads(rt, 1, 0, 11) and _reads(rt, 1, 1, 12)     # the hit, through its own slot
+    _fill(rt, 1, 2, 99)
+    assert _reads(rt, 0, 2, 13)                              # its own block stays private
 
 
 def test_prefix_caching_never_runs_short_when_vllm_reuses_evicted_blocks():
@@ -324,5 +329,36 @@ def test_prefix_caching_a_new_request_hits_a_block_a_running_one_gets_this_step(
         pages = rt.cache._pages
         assert pages.at(rt.slot(1), 2) == pages.at(rt.slot(0), 2)
         rt.cache.audit()
+    finally:
+        rt.close()
+
+
+def test_driver_faults_are_retried_within_the_step_and_a_lasting_one_says_so():
+    """The GPU runtime's cache calls are retried while a driver call fails (map / set-access at
+    30 %): every request still reads exactly its own blocks and the cached ones it hit; a call
+    that keeps failing propagates with a note (the GPU runner has no preemption path yet)."""
+    from vattn.core.driver import FaultInjector, get_driver
+    from vattn.core.errors import DriverError
+    cfg_page = gl.cache_config(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                               num_blocks=9, max_num_reqs=3, max_model_len=4000, device="cpu",
+                               group_size=2).page_bytes
+    driver = FaultInjector(get_driver(torch.device("cpu"), granularity=cfg_page))
+    rt, _ = _runtime(prefix_caching=True, driver=driver)
+    try:
+        rt._retry.retries = 8
+        driver.arm_rate("map", 0.3, seed=4)
+        driver.arm_rate("set_access", 0.3, seed=5)
+        _two_requests_sharing_two_blocks(rt)
+        # faults of the background map-ahead are its own (a page it could not map is mapped on
+        # demand later); the step's calls were retried
+        assert 0 < rt.metrics()["driver_retries"] <= sum(driver.injected.values())
+        rt.cache.audit()
+        rt._retry.retries = 0
+        driver.arm_rate("map", 1.0)
+        rt.release(1)
+        rt.on_blocks(2, 4, new_request=True, block_ids=[5, 6, 7, 8])
+        with pytest.raises(DriverError) as info:
+            rt.apply()
+        assert "no preemption path" in "".join(info.value.__notes__)
     finally:
         rt.close()
