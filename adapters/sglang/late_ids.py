@@ -11,6 +11,7 @@ for the copy, before anything else can use them (a prefix hit, a free, a release
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 
 from vattn.core.errors import VattnError
 
-__all__ = ["LateIds", "Landing", "page_cells", "copy_to_host", "copy_to_device"]
+__all__ = ["LateIds", "Landing", "HitIds", "page_cells", "copy_to_host", "copy_to_device"]
 
 
 def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, object]:
@@ -139,3 +140,69 @@ class LateIds:
         failed = self.retry(lambda: self.cache.bind_many(items))
         if failed:
             raise VattnError(f"vattn could not bind the claimed page-sets of slots {failed}")
+
+
+class HitIds:
+    """The page ids of a new request's radix-cache hit, on the host before its extend.
+
+    When SGLang hands a request its row (``ReqToTokenPool.alloc``), the request's prefix match
+    is known: ``req.last_node`` and the path of radix nodes above it. :meth:`note` starts copying
+    each node's page ids to pinned host memory, once per node (kept while the node lives, and
+    made again when a split gives it a new value), so the extend finds them on the host: for a
+    prefix many requests share, only the first extend that hits a new node can wait for its copy,
+    instead of every extend reading its hits from the device and waiting for the forward in
+    flight. ``waits`` counts the copies that had not landed when needed.
+
+    Parameters
+    ----------
+    page_size : int
+        SGLang's page size (node values are token indices, whole pages).
+    """
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self._nodes = weakref.WeakKeyDictionary()   # node -> (its value, host copy, event)
+        self._paths: dict = {}                      # request id -> nodes of its hit, root first
+        self.waits = 0
+
+    def note(self, req) -> None:
+        """Request ``req`` got its row: start copying the page ids of its hit's nodes."""
+        node, rid = getattr(req, "last_node", None), getattr(req, "rid", None)
+        self._paths.pop(rid, None)
+        if node is None or rid is None or not len(getattr(req, "prefix_indices", ())):
+            return
+        path = []
+        while getattr(node, "parent", None) is not None:    # the root holds nothing
+            value = node.value
+            if not isinstance(value, torch.Tensor):          # evicted meanwhile: read the device
+                return
+            known = self._nodes.get(node)
+            if known is None or known[0] is not value:
+                self._nodes[node] = (value, *copy_to_host(value[::self.page_size]))
+            path.append(node)
+            node = node.parent
+        self._paths[rid] = path[::-1]
+
+    def take(self, rid, count: int) -> list[int] | None:
+        """The first ``count`` page ids of request ``rid``'s hit (``None``: not noted, or its
+        nodes changed since; read them from the device)."""
+        path = self._paths.pop(rid, None)
+        if path is None:
+            return None
+        ids: list[int] = []
+        for node in path:
+            known = self._nodes.get(node)
+            if known is None or known[0] is not node.value:
+                return None
+            _, host, event = known
+            if event is not None and not event.query():
+                self.waits += 1
+                event.synchronize()
+            ids.extend((host.to(torch.int64) // self.page_size).tolist())
+            if len(ids) >= count:
+                return ids[:count]
+        return None
+
+    def forget(self, rid) -> None:
+        """Request ``rid`` left before its extend."""
+        self._paths.pop(rid, None)

@@ -42,7 +42,7 @@ from vattn.core.config import env_int
 from vattn.core.errors import ConfigError, DriverRetry, SlotError, VattnError
 from vattn.core.metrics import Histogram
 
-from .late_ids import LateIds, page_cells
+from .late_ids import HitIds, LateIds, page_cells
 
 #: Slot reserved for SGLang's padding row 0 and CUDA-graph padding (held by the pool).
 PAD_SLOT = 0
@@ -85,6 +85,7 @@ class RequestSlots:
                                  f"{RETRIES_ENV}; SGLang cannot preempt one request from the "
                                  "attention backend")
         self.late = LateIds(cache, page_size, self.retry)   # page-sets claimed, ids not bound yet
+        self.hit_ids = HitIds(page_size)             # radix hits' page ids, copied at alloc
         #: reads from the device that waited for it: the rows of a batch with an unknown request
         #: id, the page ids of prefix hits (decode and hit-less extends read nothing)
         self.device_reads = 0
@@ -121,6 +122,7 @@ class RequestSlots:
             if out is not None:
                 for req in reqs:
                     self._learn(getattr(req, "rid", None), req.req_pool_idx)
+                    self.hit_ids.note(req)
             return out
 
         def free_row(req):
@@ -151,6 +153,7 @@ class RequestSlots:
         rid = self._rid_of_row.pop(row, None)
         if rid is not None and self._row_of_rid.get(rid) == row:
             del self._row_of_rid[rid]
+        self.hit_ids.forget(rid)
         if row is None or not 0 <= row < self.slot_of.size or self.slot_of[row] < 0:
             return
         self._departed[row] = None
@@ -204,6 +207,7 @@ class RequestSlots:
         self._held.clear()
         self._row_of_rid.clear()
         self._rid_of_row.clear()
+        self.hit_ids = HitIds(self.page_size)        # SGLang's flush drops its radix tree too
 
     # -- before each forward ------------------------------------------------------------------------
     def _rows_of_rids(self, rids) -> np.ndarray | None:
@@ -281,7 +285,8 @@ class RequestSlots:
                                  f"{prefix[new].tolist()}, not whole pages of {ps}")
             hits[new] = prefix[new] // ps
         hit_at = np.flatnonzero(hits)            # the only page ids needed before the forward
-        hit_ids = self._page_ids(rows[hit_at], np.zeros_like(hit_at), hits[hit_at])
+        hit_ids = self._hits(rows[hit_at], hits[hit_at],
+                             None if rids is None else [rids[i] for i in hit_at.tolist()])
         if new.any():
             self._acquire(rows, seq, new, dict(zip(hit_at.tolist(), hit_ids)))
         slots = self.slot_of[rows]
@@ -300,6 +305,18 @@ class RequestSlots:
         hist = self.decode_us if prefix_lens is None else self.extend_us
         hist.observe((time.perf_counter() - start) * 1e6)
         return slots
+
+    def _hits(self, rows: np.ndarray, counts: np.ndarray, rids) -> list[list[int]]:
+        """The hit page ids of new rows: copied to the host when SGLang handed out their rows
+        (:class:`.late_ids.HitIds`), else read from the device (one gather for those left)."""
+        found = [self.hit_ids.take(rid, int(n)) for rid, n in zip(rids, counts)] if rids \
+            else [None] * rows.size
+        left = [j for j, ids in enumerate(found) if ids is None]
+        if left:
+            read = self._page_ids(rows[left], np.zeros(len(left), dtype=np.int64), counts[left])
+            for j, ids in zip(left, read):
+                found[j] = ids
+        return found
 
     def _page_ids(self, rows: np.ndarray, first: np.ndarray, want: np.ndarray) -> list[list[int]]:
         """Page ids ``first .. want - 1`` of each row, from ``req_to_token`` (one gather, one
