@@ -146,7 +146,8 @@ class HitIds:
     """The page ids of a new request's radix-cache hit, on the host before its extend.
 
     When SGLang hands a request its row (``ReqToTokenPool.alloc``), the request's prefix match
-    is known: ``req.last_node`` and the path of radix nodes above it. :meth:`note` starts copying
+    is known: ``req.last_node`` and the path of radix nodes above it (SGLang's ``TreeNode``:
+    ``parent``, ``value``, a tensor of the node's token indices, whole pages). :meth:`note` starts copying
     each node's page ids to pinned host memory, once per node (kept while the node lives, and
     made again when a split gives it a new value), so the extend finds them on the host: for a
     prefix many requests share, only the first extend that hits a new node can wait for its copy,
