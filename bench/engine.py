@@ -134,7 +134,9 @@ def _workload_row(name: str, report: dict, hbm_tbps: float | None) -> str:
     host = vmm.get("host_ms") or {"apply": vmm.get("apply_total_ms"),        # SGLang | vLLM
                                    "on_blocks": vmm.get("on_blocks_total_ms")}
     crit = (" + ".join(f"{_fmt(ms, '.1f')} ms {name}" for name, ms in host.items()) +
-            f"; {vmm.get('pages_mapped_on_demand', '—')} pages mapped on demand") if vmm else "—"
+            f"; {vmm.get('pages_mapped_on_demand', '—')} pages mapped on demand" +
+            (f"; {vmm['device_reads']} device reads" if vmm.get("device_reads") is not None else "")
+            ) if vmm else "—"
     bw = decode_bandwidth(report, "vattn") if name.split(" (")[0] == "decode-heavy" else None
     share = (f"{bw / 1e12:.2f} TB/s" + (f" ({100 * bw / (hbm_tbps * 1e12):.0f} %)" if hbm_tbps else "")
              if bw else "—")

@@ -80,7 +80,10 @@ def test_sglang_row_names_the_allocator_host_time():
                                   "vmm_critical_path": crit}}}
     row = engine._workload_row("decode-heavy", report, 4.27)
     assert "1.2 ms alloc_extend + 20.0 ms alloc_decode + 0.5 ms free; 0 pages mapped on demand" in row
-    assert "15.9" in row and f"**{2.2 / 2.0:.4f}×**" in row
+    assert "15.9" in row and f"**{2.2 / 2.0:.4f}×**" in row and "device reads" not in row
+    crit["device_reads"] = 517                    # the host waited for the device before a forward
+    row = engine._workload_row("decode-heavy", report, 4.27)
+    assert "0 pages mapped on demand; 517 device reads |" in row
 
 
 def test_plot_and_section_written(tmp_path):

@@ -21,5 +21,6 @@ def test_throughput_row_columns_from_the_metrics():
     crit = cols["vmm_critical_path"]
     assert set(crit["host_ms"]) == {"alloc_extend", "alloc_decode", "free"}
     assert crit["pages_mapped_on_demand"] == m["pages_mapped_on_demand"]
+    assert crit["device_reads"] == crit["hit_copy_waits"] == crit["driver_retries"] == 0
     assert vattn_columns({"error": "x"}, "sglang") == {"vattn_metrics_error": "x"}
     assert vattn_columns(None, "sglang") == {}
