@@ -16,9 +16,10 @@ everything; this table follows them:
   (:meth:`VirtualKVCache.claim`) and its page id, gathered on the device into pinned host
   memory, is bound one forward later, or at once before anything else can use it (a prefix hit,
   a free, a release). The rows come from the batch's request ids (learnt when
-  ``ReqToTokenPool.alloc`` hands a row out), so only the page ids of prefix hits are read from
-  the device: SGLang's overlap scheduler keeps the GPU busy only if the host does not wait for
-  it between two steps;
+  ``ReqToTokenPool.alloc`` hands a row out) and the page ids of prefix hits from the radix nodes
+  matched (copied to the host at that same moment, :class:`.late_ids.HitIds`), so nothing is read
+  from the device: SGLang's overlap scheduler keeps the GPU busy only if the host does not wait
+  for it between two steps;
 * a page id returns to SGLang's free list (:meth:`RequestSlots.on_free_pages`, from the
   allocator): its key is forgotten; if the request that wrote it still runs and reads it (SGLang
   frees a request's duplicate of a page another request inserted into the tree first, then points
@@ -27,8 +28,8 @@ everything; this table follows them:
 * a row is freed (``ReqToTokenPool.free``, wrapped on the instance by :meth:`attach`): its held
   back ids return to SGLang, its slot is released at the next forward.
 
-Host-side; an extend reads the batch's rows and new page ids from the device (one copy each),
-a decode nothing (unless a request id is unknown: then the rows and last page ids, one copy).
+Host-side; a forward reads from the device only what was not learnt ahead (the rows of a batch
+whose request ids are unknown, hit page ids not copied at row allocation: ``device_reads``).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class RequestSlots:
         self.late = LateIds(cache, page_size, self.retry)   # page-sets claimed, ids not bound yet
         self.hit_ids = HitIds(page_size)             # radix hits' page ids, copied at alloc
         #: reads from the device that waited for it: the rows of a batch with an unknown request
-        #: id, the page ids of prefix hits (decode and hit-less extends read nothing)
+        #: id, hit page ids not copied ahead (with SGLang's request ids: none)
         self.device_reads = 0
         self.return_pages = None                     # the allocator's ``ids -> None``
         #: host time per forward (prepare) and per free, microseconds
@@ -224,9 +225,11 @@ class RequestSlots:
         prefix hits mapped, and every page they were given since the last forward claimed (its
         id is bound later, :class:`.late_ids.LateIds`).
 
-        Nothing is read from the device but the page ids of prefix hits, and the rows when
-        ``rids`` does not name them all (``device_reads`` counts both): SGLang's overlap
-        scheduler prepares the next step while this one runs, and a read would wait for it.
+        Nothing is read from the device unless ``rids`` does not name every row (then the rows,
+        and the hit page ids; ``device_reads`` counts them), and the host waits for the device
+        only before binding prefix hits (a hit may name a page claimed by an earlier forward
+        whose id is still on its way): SGLang's overlap scheduler prepares the next step while
+        this one runs, and a wait would cost it that.
 
         Parameters
         ----------
@@ -258,8 +261,7 @@ class RequestSlots:
         start = time.perf_counter()
         if self.req_to_token is None:
             raise ConfigError("RequestSlots.prepare before attach(req_to_token_pool)")
-        # an extend's hit may name a page claimed earlier; a decode binds what has landed
-        self.late.resolve(wait=prefix_lens is not None)
+        self.late.resolve(wait=False)                # bind what has landed
         self._release_departed()
         known = self._rows_of_rids(rids)
         if known is None:
@@ -287,6 +289,8 @@ class RequestSlots:
         hit_at = np.flatnonzero(hits)            # the only page ids needed before the forward
         hit_ids = self._hits(rows[hit_at], hits[hit_at],
                              None if rids is None else [rids[i] for i in hit_at.tolist()])
+        if hit_at.size:
+            self.late.resolve(wait=True)         # a hit may name a page claimed earlier
         if new.any():
             self._acquire(rows, seq, new, dict(zip(hit_at.tolist(), hit_ids)))
         slots = self.slot_of[rows]
@@ -313,18 +317,15 @@ class RequestSlots:
             else [None] * rows.size
         left = [j for j, ids in enumerate(found) if ids is None]
         if left:
-            read = self._page_ids(rows[left], np.zeros(len(left), dtype=np.int64), counts[left])
-            for j, ids in zip(left, read):
+            for j, ids in zip(left, self._page_ids(rows[left], counts[left])):
                 found[j] = ids
         return found
 
-    def _page_ids(self, rows: np.ndarray, first: np.ndarray, want: np.ndarray) -> list[list[int]]:
-        """Page ids ``first .. want - 1`` of each row, from ``req_to_token`` (one gather, one
-        copy to the host)."""
-        if not rows.size:
-            return []
+    def _page_ids(self, rows: np.ndarray, want: np.ndarray) -> list[list[int]]:
+        """Page ids ``0 .. want - 1`` of each row, from ``req_to_token`` (one gather, one copy to
+        the host, waiting for the device)."""
         self.device_reads += 1
-        flat, counts = page_cells(self.req_to_token, self.page_size, rows, first, want)
+        flat, counts = page_cells(self.req_to_token, self.page_size, rows, np.zeros_like(want), want)
         ids = (flat.to("cpu", torch.int64) // self.page_size).numpy()
         return [part.tolist() for part in np.split(ids, np.cumsum(counts)[:-1])]
 

@@ -264,17 +264,18 @@ class VattnRuntime:
     def _acquire(self, req_id: str, expected_len: int, *, prefer=None, before: int = 0) -> int | None:
         """A slot for ``req_id`` (recorded), or ``None`` after killing it: driver faults while the
         slot's pages were re-tagged, ``retries + 1`` times (a failed re-tag leaves the slot idle)."""
-        why = ""
-        for attempt in range(self.faults.retries + 1):
-            try:
-                slot = self._slot_of[req_id] = self.cache.acquire(expected_len=expected_len, prefer=prefer)
-                return slot
-            except DriverError as exc:
-                why = f"driver: {exc}"
-            if attempt < self.faults.retries:
-                self.counts["driver_retries"] += 1
-        self.kill(req_id, why, before=before, fault=True)
-        return None
+        slot = None
+
+        def acquire() -> bool:
+            nonlocal slot
+            slot = self.cache.acquire(expected_len=expected_len, prefer=prefer)
+            return True
+        ok, why = self.faults.retry(acquire)
+        if not ok:
+            self.kill(req_id, why, before=before, fault=True)
+            return None
+        self._slot_of[req_id] = slot
+        return slot
 
     def kill(self, req_id: str, reason: str, *, before: int = 0, action: str | None = None,
              fault: bool = False, throttle: bool = False, evict: list | None = None) -> None:
