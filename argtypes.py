@@ -18,7 +18,8 @@ from collections.abc import Callable
 import torch
 
 __all__ = ["positive_int", "non_negative_int", "positive_float", "non_negative_float", "int_list",
-           "name_list", "name_list_or_ints", "cases", "device", "int_at_least", "name_path"]
+           "name_list", "name_list_or_ints", "cases", "device", "int_at_least", "name_path",
+           "int_range", "share"]
 
 
 def _number(text: str, kind: type, what: str, ok) -> int | float:
@@ -49,6 +50,23 @@ def positive_float(text: str) -> float:
 def non_negative_float(text: str) -> float:
     """A finite float ``>= 0``."""
     return _number(text, float, "a number >= 0", lambda v: 0 <= v < float("inf"))
+
+
+def int_range(text: str) -> tuple[int, int]:
+    """``LOW:HIGH`` (ints, ``1 <= LOW <= HIGH``), or one int ``N`` for ``N:N``."""
+    low, sep, high = text.partition(":")
+    try:
+        pair = (int(low), int(high if sep else low))
+    except ValueError:
+        pair = None
+    if pair is None or not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"expected LOW:HIGH with 1 <= LOW <= HIGH (ints), got {text!r}")
+    return pair
+
+
+def share(text: str) -> float:
+    """A number in ``[0, 1]``."""
+    return _number(text, float, "a share in [0, 1]", lambda v: 0 <= v <= 1)
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

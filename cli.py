@@ -1,4 +1,4 @@
-"""The ``vattn`` command: ``info``, ``bench {vmm,attention,layout,host,engine,serve,faults}``, ``conformance``,
+"""The ``vattn`` command: ``info``, ``bench {vmm,attention,layout,host,engine,serve,faults,soak}``, ``conformance``,
 ``compare``.
 
 A bad input ends the command with one line on stderr (what was expected, what was given, what
@@ -34,6 +34,7 @@ _BENCHES = {
     "engine": ("vattn.bench.engine", "end-to-end engine runs (stock / ceiling / vattn) into BENCHMARKS.md"),
     "serve": ("vattn.bench.serve", "the engine's own server + benchmark client, stock vs vattn, alternated"),
     "faults": ("vattn.bench.faults", "driver faults and a dry page pool inside a running vLLM engine"),
+    "soak": ("vattn.bench.soak", "an engine server under mixed load with aborts: memory, fds, pages, audit"),
 }
 
 

@@ -106,7 +106,8 @@ def check_engine(engine: str, python: str) -> str:
         The engine is not importable there (or, for vLLM, a version whose client flags were not
         checked).
     """
-    if os.path.realpath(python) == os.path.realpath(sys.executable):
+    # abspath, not realpath: a virtual environment's python is a link to the base interpreter
+    if os.path.abspath(python) == os.path.abspath(sys.executable):
         found = importlib.util.find_spec(engine) is not None
         version = _version(engine) if found else None
     else:

@@ -14,7 +14,6 @@ import pytest
 from vattn.bench import serve, serve_clients, serve_engines, serve_report
 from vattn.bench.serve_clients import ClientError, Workload, client_command, parse_result
 from vattn.bench.serve_engines import Server, ServerError, ServerSpec, server_command
-from vattn.cli import main
 from vattn.conformance.tokenizer import write_tokenizer
 from vattn.core.errors import ConfigError, UnsupportedError
 
@@ -358,3 +357,17 @@ def test_root_cause_is_the_first_tracebacks_error(tmp_path):
                    "Traceback (most recent call last):\nRuntimeError: Engine core initialization failed\n")
     assert serve_engines.root_cause(str(log)) == "vattn.core.errors.ConfigError: no prefix caching"
     assert serve_engines.root_cause(str(tmp_path / "none.log")) == ""
+
+
+def test_check_engine_asks_a_linked_interpreter_itself(tmp_path):
+    """A virtual environment's python is a link to the base interpreter: ``--python LINK`` must
+    be asked what it can import (this process has vattn; the bare base interpreter behind the
+    link does not), not be taken for this process because both resolve to one file."""
+    base = os.path.realpath(sys.executable)
+    link = tmp_path / "bin" / "python"
+    link.parent.mkdir()
+    link.symlink_to(base)
+    assert serve.check_engine("json", str(link)) is not None
+    if os.path.realpath(str(link)) == base and sys.prefix != sys.base_prefix:
+        with pytest.raises(UnsupportedError, match="expected vattn importable in"):
+            serve.check_engine("vattn", str(link))

@@ -107,7 +107,7 @@ def test_vmm_on_cuda_without_cuda_python(capsys, monkeypatch):
 # -- every command with wrong flags: (argv, a fragment of the line) ----------------------------------
 FLAG_CASES = [
     (["frob"], "vattn: error: argument command: invalid choice: 'frob'"),
-    (["bench"], "vattn bench: error: the following arguments are required: {vmm,attention,layout,host,engine,serve,faults}"),
+    (["bench"], "vattn bench: error: the following arguments are required: {vmm,attention,layout,host,engine,serve,faults,soak}"),
     (["info", "--bogus"], "vattn info: error: unrecognized arguments: --bogus (see vattn info --help)"),
     (["bench", "vmm", "--pages", "-5"], "vattn bench vmm: error: argument --pages: expected an int >= 1, got '-5'"),
     (["bench", "vmm", "--batches", "1,x"], "argument --batches: expected a comma-separated list of ints >= 1"),
@@ -134,6 +134,13 @@ FLAG_CASES = [
     (["bench", "host", "--generations", "-2"], "argument --generations: expected an int >= 1"),
     (["bench", "faults", "--rates", "0.1,2"], "argument --rates: expected comma-separated rates in (0, 1]"),
     (["bench", "faults", "--faults", "mmap"], "argument --faults: expected a comma-separated list of map,"),
+    (["bench", "soak", "--engine", "vllm", "--preset", "tiny", "--out", "x", "--input-len", "9:5"],
+     "argument --input-len: expected LOW:HIGH with 1 <= LOW <= HIGH (ints), got '9:5'"),
+    (["bench", "soak", "--engine", "vllm", "--preset", "tiny", "--out", "x", "--abort", "1.5"],
+     "argument --abort: expected a share in [0, 1], got '1.5'"),
+    (["bench", "soak", "--engine", "vllm", "--preset", "tiny", "--out", "x", "--server-env", "oops"],
+     "argument --server-env: expected KEY=VALUE, got 'oops'"),
+    (["bench", "soak", "--engine", "vllm", "--out", "x"], "one of the arguments --model --preset is required"),
     (["bench", "engine"], "vattn bench engine: error: the following arguments are required: --results"),
     (["bench", "engine", "--results", "no-such-results-dir"],
      "vattn bench engine: ConfigError: --results: expected a folder of stage JSONs"),

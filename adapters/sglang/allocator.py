@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator, al
 from vattn.core.errors import ConfigError, UnsupportedError
 
 from .late_ids import Landing
-from .metrics import write_if_asked
+from .metrics import metrics_file
 from .pool import VattnMHATokenToKVPool
 
 
@@ -72,7 +72,6 @@ class VattnTokenAllocator(PagedTokenToKVPoolAllocator):
         self.cache = pool.vattn_cache
         self.requests = pool.requests
         self.requests.return_pages = self._return
-        self.requests.on_idle = lambda: write_if_asked(self)
         self.prewarmed_pages = pool.prewarmed_pages
         self.rows_per_slot = pool.rows_per_slot
         #: host time vattn adds per extend / decode forward and per free (microseconds)
@@ -83,6 +82,10 @@ class VattnTokenAllocator(PagedTokenToKVPoolAllocator):
         self._on_cpu = torch.device(pool.device).type == "cpu"
         #: settle frees at the next allocation (default on the GPU; the CPU tests turn it on)
         self.defer_frees = not self._on_cpu
+        #: ``$VATTN_METRICS`` snapshots: while serving, and with the page audit when idle
+        self.snapshots = metrics_file(self)
+        if self.snapshots is not None:
+            self.requests.on_idle, self.requests.on_step = self.snapshots.idle, self.snapshots.step
 
     @classmethod
     def for_pool(cls, pool: VattnMHATokenToKVPool) -> "VattnTokenAllocator":

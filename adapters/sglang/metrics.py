@@ -1,23 +1,22 @@
-"""What the vattn allocator did inside SGLang's scheduler process, for benchmarks.
+"""What the vattn allocator did inside SGLang's scheduler process, for benchmarks and soaks.
 
 SGLang runs the KV pool and allocator in its scheduler subprocess, out of reach of the process that
-called ``sglang.Engine``. With ``VATTN_SGLANG_METRICS=PATH`` set in the engine's environment the
-allocator writes :func:`allocator_metrics` to ``PATH`` (JSON, replaced atomically) each time its
-last running request is freed, i.e. when the engine goes idle after a batch; the caller (SGLang's
-conformance worker, ``vattn.conformance.workers.sglang``) reads it after ``generate`` returns.
-Counters are cumulative since the engine started (warm-up included).
+called ``sglang.Engine`` or started the server. With ``VATTN_METRICS=PATH`` set in the engine's
+environment the allocator writes :func:`allocator_metrics` to ``PATH`` (a
+:class:`vattn.core.snapshots.MetricsFile`): at most once a second while it serves, and each time
+its last running request is freed, i.e. when the engine goes idle after a batch, with the core's
+page audit. The caller (SGLang's conformance worker, ``vattn.conformance.workers.sglang``, or
+``vattn bench soak``) reads it. Counters are cumulative since the engine started (warm-up included).
 """
 
 from __future__ import annotations
 
-import json
-import os
-
+from vattn.core import snapshots
 from vattn.core.layout import cache_layout_row
 from vattn.core.metrics import jsonable
+from vattn.core.snapshots import METRICS_ENV
 
-#: Environment variable naming the JSON file the allocator writes when it goes idle.
-METRICS_ENV = "VATTN_SGLANG_METRICS"
+__all__ = ["allocator_metrics", "metrics_file", "METRICS_ENV"]
 
 
 def allocator_metrics(alloc) -> dict:
@@ -28,17 +27,11 @@ def allocator_metrics(alloc) -> dict:
         "alloc_extend_us": alloc.extend_us.as_dict(), "alloc_decode_us": alloc.decode_us.as_dict(),
         "free_us": alloc.free_us.as_dict(), "prewarmed_pages": alloc.prewarmed_pages,
         "device_reads": alloc.requests.device_reads, "driver_retries": alloc.requests.retry.retried,
-        "hit_copy_waits": alloc.requests.hit_ids.waits,
+        "hit_copy_waits": alloc.requests.hit_ids.waits, "running_requests": len(alloc.requests.running_slots()),
         "rows_per_slot": alloc.rows_per_slot, "max_slots": cache.config.max_slots,
         "layout": cache_layout_row(cache.config, cache.layout.page_bytes)})
 
 
-def write_if_asked(alloc) -> None:
-    """Write :func:`allocator_metrics` to ``$VATTN_SGLANG_METRICS`` when that is set."""
-    path = os.environ.get(METRICS_ENV)
-    if not path:
-        return
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(allocator_metrics(alloc), f)
-    os.replace(tmp, path)
+def metrics_file(alloc):
+    """``alloc``'s :class:`~vattn.core.snapshots.MetricsFile` at ``$VATTN_METRICS``, or ``None``."""
+    return snapshots.from_env(lambda: allocator_metrics(alloc), audit=alloc.cache.audit)

@@ -94,6 +94,7 @@ class RequestSlots:
         #: host time per forward (prepare) and per free, microseconds
         self.extend_us, self.decode_us, self.free_us = Histogram(), Histogram(), Histogram()
         self.on_idle = None                          # called when the last running request leaves
+        self.on_step = None                          # called after each forward's preparation
 
     # -- wiring ------------------------------------------------------------------------------------
     def attach(self, req_to_token_pool) -> None:
@@ -308,6 +309,8 @@ class RequestSlots:
         self.retry(lambda: self.cache.step(slots, seq))   # lengths; pages mapped ahead in the background
         hist = self.decode_us if prefix_lens is None else self.extend_us
         hist.observe((time.perf_counter() - start) * 1e6)
+        if self.on_step is not None:
+            self.on_step()
         return slots
 
     def _hits(self, rows: np.ndarray, counts: np.ndarray, rids) -> list[list[int]]:

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from vattn.core import KVCacheConfig, VirtualKVCache
+from vattn.core import KVCacheConfig, VirtualKVCache, snapshots
 from vattn.core.layout import cache_layout_row
 from vattn.core.config import env_int
 from vattn.core.errors import ConfigError, DriverRetry, VattnError
@@ -100,6 +100,8 @@ class GpuRuntime:
         self.prewarmed_pages = self.cache.prewarm()
         self.prewarm_s = time.perf_counter() - warm_start
         self.init_s = time.perf_counter() - start
+        #: ``$VATTN_METRICS`` snapshots (each step, and with the page audit once idle for 1 s)
+        self.snapshots = snapshots.from_env(self.snapshot, audit=self.cache.audit, idle_s=1.0)
 
     # -- host side ---------------------------------------------------------------------------
     def on_blocks(self, index: int, num_blocks: int, *, new_request: bool, block_ids=(),
@@ -161,6 +163,8 @@ class GpuRuntime:
                                  f"allocated their blocks; capacity: {self.cache.capacity()}")
         self.tables.upload()
         self.step_us.observe((time.perf_counter() - start) * 1e6)
+        if self.snapshots is not None:
+            self.snapshots.step()
 
     def release(self, index: int) -> None:
         """Request ``index`` left (finished, aborted or preempted): release its slot, fenced."""
@@ -208,6 +212,13 @@ class GpuRuntime:
             "attn_page_rows": self.attn_rows,
             "layout": cache_layout_row(self.cache.config, self.cache.layout.page_bytes)}
 
+    def snapshot(self) -> dict:
+        """:meth:`metrics` plus the request indices holding a slot (for ``$VATTN_METRICS``; vLLM
+        removes a finished request one step late, so an idle engine still lists its last batch)."""
+        return self.metrics() | {"requests_holding_slots": len(self._slot)}
+
     def close(self) -> None:
+        if getattr(self, "snapshots", None) is not None:
+            self.snapshots.close()
         self._kv.clear()
         self.cache.close()

@@ -26,7 +26,7 @@ import torch
 
 from vattn.core import KVCacheConfig, VirtualKVCache
 from vattn.core.errors import ConfigError, DriverError, SlotError, UnsupportedError, VattnError
-from vattn.core import ops
+from vattn.core import ops, snapshots
 
 from .faults import ERROR, PREEMPT, FaultBook
 from .registry import current, driver_wrapper, install, installed, set_driver_wrapper, uninstall
@@ -121,6 +121,8 @@ class VattnRuntime:
         #: tensor parallelism: ``local kills -> every rank's kills`` (a collective; the hooks
         #: pass it when the TP group has more than one rank), so all ranks leave the same rows out
         self.exchange = exchange
+        #: ``$VATTN_METRICS`` snapshots (each step, and with the page audit once idle for 1 s)
+        self.snapshots = snapshots.from_env(self.snapshot, audit=self.cache.audit, idle_s=1.0)
 
     @property
     def counts(self) -> dict:
@@ -148,6 +150,11 @@ class VattnRuntime:
         vLLM's scheduler to preempt / to finish with an error; ``pool_shortfalls``;
         ``preemptions``: every preemption vLLM reported, its own included)."""
         return self.cache.metrics() | self.counts
+
+    def snapshot(self) -> dict:
+        """:meth:`metrics` plus the requests holding a slot (for ``$VATTN_METRICS``; vLLM reports
+        a finished request one step late, so an idle engine still lists its last batch)."""
+        return self.metrics() | {"requests_holding_slots": len(self._slot_of)}
 
     # -- host side: called by the hook once per step --------------------------------------------
     def finish(self, req_ids, *, finished=(), preempted=()) -> None:
@@ -409,6 +416,8 @@ class VattnRuntime:
         if self.exchange is not None:
             self._agree()
         self._plan = self._build_plan(batch)
+        if self.snapshots is not None:
+            self.snapshots.step()
         return [req_id for req_id, _, _ in batch if req_id in self.faults.dead]
 
     def _ensure(self, lengths: dict[int, int]) -> tuple[set[int], dict[int, str]]:
@@ -517,6 +526,8 @@ class VattnRuntime:
         return name
 
     def close(self) -> None:
+        if getattr(self, "snapshots", None) is not None:
+            self.snapshots.close()
         try:
             self.cache.close()
         finally:

@@ -1,5 +1,5 @@
-# Shared by tools/gpu/vllm.sh and tools/gpu/sglang.sh (sourced). The caller sets OUT, W (work dir),
-# R (results dir under W), SUM (summary file), START, BUDGET and defines pack().
+# Shared by the GPU scripts (sourced). The caller sets OUT, W (work dir), R (results dir under W),
+# SUM (summary file), START and BUDGET (or calls begin_run) and defines pack() (or calls start_packer).
 
 # link_vattn ENTRY_POINTS: put the repository on PYTHONPATH as package `vattn`, with a dist-info
 # declaring ENTRY_POINTS (engines find plugins through package metadata, and the repository is
@@ -11,6 +11,31 @@ link_vattn() {
   printf 'Metadata-Version: 2.1\nName: vattn-gpu-shim\nVersion: 0\n' > "$dist/METADATA"
   printf '%b' "$1" > "$dist/entry_points.txt"
   export PYTHONPATH="$site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+}
+
+# begin_run NAME DEFAULT_BUDGET_S: OUT (default ./vattn-out), a work dir W with results in R=W/NAME,
+# the summary file SUM, START and BUDGET (VATTN_BUDGET_S, else DEFAULT_BUDGET_S)
+begin_run() {
+  OUT=${OUT:-$PWD/vattn-out}; mkdir -p "$OUT"
+  W=$(mktemp -d); R=$W/$1; mkdir -p "$R"
+  SUM=$R/summary.txt; : > "$SUM"
+  START=$(date +%s); BUDGET=${VATTN_BUDGET_S:-$2}
+}
+
+# use_engine vllm|sglang: the staged engine on PYTHONPATH (vLLM from VATTN_VLLM_SITE, SGLang from
+# VATTN_SITE) and vattn linked in with that engine's plugin entry points
+use_engine() {
+  case "$1" in
+    vllm)
+      if [ -n "${VATTN_VLLM_SITE:-}" ]; then export PYTHONPATH="$VATTN_VLLM_SITE:${PYTHONPATH:-}"; fi
+      link_vattn '[vllm.general_plugins]\nvattn = vattn.adapters.vllm.plugin:register\n'
+      export VLLM_USE_FLASHINFER_SAMPLER=0 ;;
+    sglang)
+      if [ -n "${VATTN_SITE:-}" ]; then export PYTHONPATH="$VATTN_SITE:${PYTHONPATH:-}"; fi
+      link_vattn '[sglang.srt.plugins]\nvattn = vattn.adapters.sglang.plugin:register\n\n[sglang.srt.platforms]\nvattn = vattn.adapters.sglang.platform:activate\n'
+      unset VATTN_SGLANG ;;
+    *) echo "VATTN_ENGINE must be vllm or sglang, got $1" >&2; return 2 ;;
+  esac
 }
 
 # run_stage NAME MIN_S MAX_S CMD...: run under `timeout` if at least MIN_S of the budget is left;

@@ -31,23 +31,10 @@
 # tools/gpu/vllm.sh / sglang.sh read them). Results: $OUT/serve_results.tgz (rows.json, report.md,
 # serve_plot.png and every server / client log per shape) and $OUT/serve_summary.txt.
 set -u
-OUT=${OUT:-$PWD/vattn-out}; mkdir -p "$OUT"
-W=$(mktemp -d); R=$W/serve; mkdir -p "$R"
-SUM=$R/summary.txt; : > "$SUM"
-START=$(date +%s); BUDGET=${VATTN_BUDGET_S:-530}
-ENGINE=${VATTN_ENGINE:-vllm}
 . "$(dirname "$0")/engine_lib.sh"
-case "$ENGINE" in
-  vllm)
-    if [ -n "${VATTN_VLLM_SITE:-}" ]; then export PYTHONPATH="$VATTN_VLLM_SITE:${PYTHONPATH:-}"; fi
-    link_vattn '[vllm.general_plugins]\nvattn = vattn.adapters.vllm.plugin:register\n'
-    export VLLM_USE_FLASHINFER_SAMPLER=0 ;;
-  sglang)
-    if [ -n "${VATTN_SITE:-}" ]; then export PYTHONPATH="$VATTN_SITE:${PYTHONPATH:-}"; fi
-    link_vattn '[sglang.srt.plugins]\nvattn = vattn.adapters.sglang.plugin:register\n\n[sglang.srt.platforms]\nvattn = vattn.adapters.sglang.platform:activate\n'
-    unset VATTN_SGLANG ;;
-  *) echo "VATTN_ENGINE must be vllm or sglang, got $ENGINE" >&2; exit 2 ;;
-esac
+begin_run serve 530
+ENGINE=${VATTN_ENGINE:-vllm}
+use_engine "$ENGINE" || exit 2
 export VATTN_MODELS=${VATTN_MODELS:-$W/models}   # config-only models (a few kB each)
 
 pack() {

@@ -1,4 +1,5 @@
-"""The allocator's metrics, written from SGLang's scheduler process when it goes idle."""
+"""The allocator's metrics, written from SGLang's scheduler process while it serves and, with
+the page audit, when it goes idle."""
 
 import json
 
@@ -16,22 +17,27 @@ def test_metrics_written_when_the_last_request_leaves(tmp_path, monkeypatch):
     the benchmark reads the file after the last generation, and got the one before it)."""
     path = tmp_path / "m.json"
     monkeypatch.setenv(METRICS_ENV, str(path))
+    monkeypatch.setenv("VATTN_METRICS_EVERY_S", "3600")      # one step snapshot, the first
     e = Engine(radix=False)
     cache, alloc = e.cache, e.alloc
     a, b = new_req(list(range(40))), new_req(list(range(50, 70)))
     e.admit([a, b])
     e.decode([a, b])
-    e.finish(a)                              # one request left: still busy, nothing written
+    e.finish(a)                              # one request left: still busy, no idle snapshot
     e.decode([b])
-    assert not path.exists()
+    busy = json.loads(path.read_text())
+    assert busy["idle"] is False and busy["steps"] == 1 and "audit" not in busy
+    assert busy["running_requests"] == 2
     e.finish(b)                              # gone (its slot is released at the next forward)
     m = json.loads(path.read_text())
+    assert m["idle"] is True and m["audit"] == "ok" and m["steps"] == 3 and m["running_requests"] == 0
     assert m["alloc_extend_us"]["count"] == 1 and m["alloc_decode_us"]["count"] == 2
     assert m["free_us"]["count"] >= 2 and m["active_slots"] == 2          # the pad slot, b's
     assert m["layout"]["worst_waste_bytes"] == cache.layout.num_ranges * cache.layout.page_bytes - (
         cache.layout.num_ranges * min(cache.layout.token_bytes, cache.layout.page_bytes))
     assert m["prewarmed_pages"] == alloc.prewarmed_pages
-    assert m == json.loads(json.dumps(allocator_metrics(alloc)))         # what is on disk is all of it
+    on_disk = {k: v for k, v in m.items() if k not in ("time", "pid", "steps", "idle", "audit")}
+    assert on_disk == json.loads(json.dumps(allocator_metrics(alloc)))   # what is on disk is all of it
     c = new_req(list(range(90, 120)))        # a second batch: the file follows it
     e.admit([c])
     e.decode([c])

@@ -362,3 +362,26 @@ def test_driver_faults_are_retried_within_the_step_and_a_lasting_one_says_so():
         assert "no preemption path" in "".join(info.value.__notes__)
     finally:
         rt.close()
+
+
+def test_runtime_metrics_snapshots(tmp_path, monkeypatch):
+    """``VATTN_METRICS`` on the GPU runner's runtime: written by ``apply`` and, once idle, with
+    the page audit (the request indices still holding a slot are counted)."""
+    import json
+    import time
+    path = tmp_path / "m.json"
+    monkeypatch.setenv("VATTN_METRICS", str(path))
+    rt, block = _runtime()
+    try:
+        rt.on_blocks(0, 2, new_request=True)
+        rt.apply()
+        assert json.loads(path.read_text())["requests_holding_slots"] == 1
+        rt.release(0)
+        deadline = time.monotonic() + 10
+        while not json.loads(path.read_text())["idle"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        snap = json.loads(path.read_text())
+        assert snap["audit"] == "ok" and snap["requests_holding_slots"] == 0 and snap["block_size"] == block
+    finally:
+        rt.close()
+    assert rt.snapshots._thread is None

@@ -79,3 +79,31 @@ def test_attend_matches_reference_per_request():
             torch.testing.assert_close(out[lo:hi], ref)
     finally:
         rt.close()
+
+
+def test_metrics_snapshots_while_serving_and_when_idle(tmp_path, monkeypatch):
+    """``VATTN_METRICS``: a snapshot per step (at most one a second) and, once no step came for a
+    second, one with the page audit; the watcher thread stops with the runtime."""
+    import json
+    import threading
+    import time
+    path = tmp_path / "m.json"
+    monkeypatch.setenv("VATTN_METRICS", str(path))
+    rt = _runtime()
+    try:
+        rt.plan_step([("a", 0, 5), ("b", 0, 9)])
+        rt.end_step()
+        snap = json.loads(path.read_text())
+        assert snap["idle"] is False and snap["requests_holding_slots"] == 2 and snap["steps"] == 1
+        rt.finish(["a"])
+        deadline = time.monotonic() + 10
+        while not json.loads(path.read_text())["idle"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        snap = json.loads(path.read_text())
+        assert snap["idle"] is True and snap["audit"] == "ok" and snap["requests_holding_slots"] == 1
+        assert snap["pages_mapped"] == rt.cache.metrics()["pages_mapped"]
+    finally:
+        rt.close()
+    assert not any(t.name == "vattn-metrics" and t.is_alive() for t in threading.enumerate())
+    monkeypatch.delenv("VATTN_METRICS")
+    assert _runtime().snapshots is None

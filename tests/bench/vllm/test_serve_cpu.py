@@ -5,18 +5,10 @@ cores: each server starts in ~40 s)."""
 import argparse
 import json
 
-import pytest
 
 from tests.adapters.vllm._plugin import require_vllm_with_plugin  # noqa: E402
 
 require_vllm_with_plugin()
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from vattn.conformance.models import build_model
-    from vattn.conformance.tokenizer import write_tokenizer
-    return write_tokenizer(build_model("tiny", str(tmp_path_factory.mktemp("tiny")), seed=3))
 
 
 def test_serve_stock_and_vattn(tiny_model, tmp_path, capsys):
