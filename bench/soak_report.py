@@ -55,9 +55,16 @@ def verdicts(result: dict, samples: list[dict]) -> list[tuple[str, bool, str]]:
     """``[(check, passed, detail), ...]`` of a soak."""
     out = []
     counts = result["counts"]
-    out.append(("no request failed", counts["errors"] == 0,
-                f"{counts['errors']} errors of {counts['sent']} sent"
-                + (f" (first: {result['first_errors'][0]})" if result.get("first_errors") else "")))
+    first = f" (first: {result['first_errors'][0]})" if result.get("first_errors") else ""
+    failed = (result.get("final_snapshot") or {}).get("requests_failed") or 0
+    if failed:       # a fault drill: vattn finishes a request it could not page, on purpose
+        out.append(("errors are the requests vattn failed", counts["errors"] == failed,
+                    f"{counts['errors']} errors of {counts['sent']} sent; vattn finished {failed} "
+                    f"with an error (requests_failed: preempted past VATTN_FAULT_PREEMPTIONS for "
+                    f"driver faults, or never fitting){first}"))
+    else:
+        out.append(("no request failed", counts["errors"] == 0,
+                    f"{counts['errors']} errors of {counts['sent']} sent{first}"))
     out.append(("server up to the end", result.get("server_alive", False),
                 "answered /health after the load" if result.get("server_alive") else "it did not"))
     for key, name, unit, slack in (("fds", "open fds flat", "", lambda g: FD_SLACK),
@@ -156,13 +163,18 @@ def plot(samples: list[dict], path: str, *, title: str) -> str | None:
               (axes[1][1], (("in_flight", "in flight"), ("ok", "completed"), ("aborted", "aborted"),
                             ("errors", "errors")), "requests"))
     for ax, series, ylabel in panels:
+        drawn = 0
         for key, label in series:
             ys = [s.get(key) for s in samples]
             if any(y is not None for y in ys):
                 ax.plot(t, [float("nan") if y is None else y for y in ys], label=label)
+                drawn += 1
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if drawn:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not sampled", ha="center", va="center", transform=ax.transAxes)
     for ax in axes[1]:
         ax.set_xlabel("minutes")
     end = max((s["t"] / 60 for s in samples if s.get("phase") == "load"), default=None)

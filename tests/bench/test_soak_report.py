@@ -48,6 +48,12 @@ def test_each_kind_of_trouble_fails_its_check():
     leak = _result(final_snapshot={"idle": True, "audit": "VattnError: page 3 ...", "requests_holding_slots": 7})
     assert _failed(rep.verdicts(leak, _samples())) == {"vattn audit when idle", "no slot held after the load"}
     assert "vattn audit when idle" in _failed(rep.verdicts(_result(final_snapshot=None), _samples()))
+    drill = {"idle": True, "audit": "ok", "requests_holding_slots": 0, "requests_failed": 2}
+    bad2 = _result(counts={"sent": 40, "ok": 36, "aborted": 2, "errors": 2}, final_snapshot=drill)
+    checks = rep.verdicts(bad2, _samples())
+    assert _failed(checks) == set() and "errors are the requests vattn failed" in {n for n, _, _ in checks}
+    bad2["counts"] = {"sent": 40, "ok": 35, "aborted": 2, "errors": 3}      # one error vattn did not decide
+    assert _failed(rep.verdicts(bad2, _samples())) == {"errors are the requests vattn failed"}
     stock = rep.verdicts(_result(mode="stock", final_snapshot=None), _samples())
     assert _failed(stock) == set() and not any("vattn" in n for n, _, _ in stock)
 
