@@ -113,21 +113,29 @@ def _children(pgid: int) -> list[int]:
 
 
 def process_group_usage(pgid: int) -> dict:
-    """RSS (MB), open fds, threads and processes of every process in group ``pgid``."""
+    """RSS (MB), open fds, threads and processes of every process in group ``pgid``, and each
+    process's RSS (``rss_by_proc``: ``{"name:pid": MB}``, to tell the API server from the engine)."""
     rss_kb = fds = threads = procs = 0
+    by_proc = {}
     for pid in _children(pgid):
         try:
+            mine = 0
             with open(f"/proc/{pid}/status") as f:
                 for line in f:
-                    if line.startswith("VmRSS:"):
-                        rss_kb += int(line.split()[1])
+                    if line.startswith("Name:"):
+                        name = line.split(None, 1)[1].strip()
+                    elif line.startswith("VmRSS:"):
+                        mine = int(line.split()[1])
                     elif line.startswith("Threads:"):
                         threads += int(line.split()[1])
             fds += len(os.listdir(f"/proc/{pid}/fd"))
+            rss_kb += mine
+            by_proc[f"{name}:{pid}"] = round(mine / 1024, 1)
             procs += 1
         except OSError:                              # gone meanwhile, or not ours to read
             continue
-    return {"rss_mb": rss_kb / 1024, "fds": fds, "threads": threads, "procs": procs}
+    return {"rss_mb": rss_kb / 1024, "fds": fds, "threads": threads, "procs": procs,
+            "rss_by_proc": by_proc}
 
 
 def gpu_used_mb() -> float | None:

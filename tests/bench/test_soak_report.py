@@ -111,7 +111,10 @@ def test_process_group_usage_counts_this_group():
     from vattn.bench.soak import process_group_usage
     u = process_group_usage(os.getpgid(0))
     assert u["procs"] >= 1 and u["rss_mb"] > 10 and u["fds"] >= 3 and u["threads"] >= 1
-    assert process_group_usage(2 ** 22 + 12345) == {"rss_mb": 0.0, "fds": 0, "threads": 0, "procs": 0}
+    assert any(k.endswith(f":{os.getpid()}") for k in u["rss_by_proc"])
+    assert abs(sum(u["rss_by_proc"].values()) - u["rss_mb"]) < 1
+    assert process_group_usage(2 ** 22 + 12345) == {"rss_mb": 0.0, "fds": 0, "threads": 0, "procs": 0,
+                                                    "rss_by_proc": {}}
 
 
 def test_the_report_names_vattns_counters():
