@@ -40,7 +40,8 @@ from .serve_clients import (DATASETS, ClientError, Workload, check_vllm_version,
 from .serve_engines import ENGINES, MODES, Server, server_command, free_port
 from .serve_report import markdown, plot
 
-__all__ = ["add_arguments", "run", "order", "prepare_model", "run_rounds", "rate"]
+__all__ = ["add_arguments", "add_server_arguments", "run", "order", "prepare_model", "run_rounds",
+           "rate", "device_for", "sigterm_raises"]
 
 
 def rate(text: str) -> float:
@@ -50,12 +51,28 @@ def rate(text: str) -> float:
     return argtypes.positive_float(text)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of every command that starts an engine server (``serve``, ``soak``)."""
     parser.add_argument("--engine", choices=ENGINES, required=True)
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="a model directory (config.json; weights or not)")
     which.add_argument("--preset", help="a config-only model preset of vattn.conformance.models, "
                                         "e.g. llama-1b-shape, llama3-8b-shape")
+    parser.add_argument("--out", required=True, help="results folder")
+    parser.add_argument("--models", default=None, help="where --preset models are built "
+                                                       "(default OUT/models)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="the engine's platform (auto: cuda when torch sees a GPU)")
+    parser.add_argument("--python", default=sys.executable,
+                        help="the interpreter with the engine installed (default this one)")
+    parser.add_argument("--server-timeout", type=argtypes.positive_float, default=900.0,
+                        help="seconds a server may take to answer /health")
+    parser.add_argument("engine_args", nargs="*", metavar="-- ENGINE_ARGS",
+                        help="extra server arguments, after --")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_server_arguments(parser)
     parser.add_argument("--dataset", choices=DATASETS, default="random")
     parser.add_argument("--rounds", type=argtypes.positive_int, default=2,
                         help="rounds of (stock, vattn), each a fresh server per mode")
@@ -67,27 +84,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shared-prefix: tokens of the shared prefix (default input-len / 2)")
     parser.add_argument("--num-prefixes", type=argtypes.positive_int, default=None,
                         help="shared-prefix: distinct prefixes (default 10; divides --num-prompts)")
-    parser.add_argument("--out", required=True, help="results folder")
-    parser.add_argument("--models", default=None, help="where --preset models are built "
-                                                       "(default OUT/models)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="the engine's platform (auto: cuda when torch sees a GPU)")
-    parser.add_argument("--python", default=sys.executable,
-                        help="the interpreter with the engine installed (default this one)")
     parser.add_argument("--like-for-like", action="store_true",
                         help="stock also gets the settings vattn forces (prefix caching off, "
                              "SGLang page size 16 and no prefill CUDA graph)")
     parser.add_argument("--warmups", type=argtypes.non_negative_int, default=1,
                         help="warm-up requests of the client before it measures")
     parser.add_argument("--seed", type=argtypes.non_negative_int, default=0)
-    parser.add_argument("--server-timeout", type=argtypes.positive_float, default=900.0,
-                        help="seconds a server may take to answer /health")
     parser.add_argument("--client-timeout", type=argtypes.positive_float, default=1800.0)
     parser.add_argument("--budget-s", type=argtypes.positive_float, default=None,
                         help="wall budget: a round that would not fit (estimated from the runs "
                              "so far) is skipped, and the report says so")
-    parser.add_argument("engine_args", nargs="*", metavar="-- ENGINE_ARGS",
-                        help="extra server arguments for both modes, after --")
 
 
 def order(rounds: int, modes=MODES) -> list[tuple[int, str]]:
@@ -169,7 +175,8 @@ def prepare_model(args) -> str:
     return model
 
 
-def _device(choice: str) -> str:
+def device_for(choice: str) -> str:
+    """``--device``: ``cpu`` / ``cuda`` as given, ``auto``: cuda when torch sees a GPU."""
     if choice != "auto":
         return choice
     import torch
@@ -258,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
     version = check_engine(args.engine, args.python)
     workload = _workload(args)
     os.makedirs(args.out, exist_ok=True)
-    device = _device(args.device)
+    device = device_for(args.device)
     model = prepare_model(args)
     meta = {"engine": args.engine, "engine_version": version, "device": device, "model": model,
             "workload": workload.__dict__, "rounds": args.rounds, "like_for_like": args.like_for_like,
@@ -277,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
             f.write(text)
         return text
 
-    previous = signal.signal(signal.SIGTERM, _stop)   # `timeout` stops us: still kill the servers
+    previous = signal.signal(signal.SIGTERM, sigterm_raises)   # `timeout` stops us: still kill the servers
     try:
         rows, notes = run_rounds(args, model, workload, device, on_row=write)
     finally:
@@ -291,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _stop(signum, frame):
+def sigterm_raises(signum, frame):
+    """A SIGTERM handler raising ``SystemExit``, so ``with Server(...)`` still kills the server."""
     raise SystemExit(128 + signum)
 
 

@@ -241,6 +241,10 @@ class Server:
     def command(self) -> list[str]:
         return [self.python, *self.spec.argv]
 
+    def healthy(self) -> bool:
+        """Whether ``/health`` answers 200 now."""
+        return _healthy(self.base_url + "/health")
+
     def __enter__(self) -> "Server":
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         t0 = time.monotonic()

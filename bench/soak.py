@@ -8,7 +8,7 @@ share aborted mid-stream by the client) at Poisson arrivals of ``--rate`` reques
 most ``--duration`` seconds. Every ``--sample-s`` seconds it samples the server's process group
 (RSS, open fds, threads), the GPU's used memory (``nvidia-smi``) and the engine's vattn metrics
 (``VATTN_METRICS``, :mod:`vattn.core.snapshots`: pages mapped and free, slots held). After the
-load: every request answered, one last 1-token request (vLLM releases a finished request at its
+load: every request answered, one last 1-token request (the engines release a finished request at their
 next step), then the idle snapshot the engine wrote with the core's page audit.
 
 Checks (:func:`.soak_report.verdicts`): no request failed (HTTP error, broken stream, or fewer
@@ -45,18 +45,15 @@ from vattn.core.snapshots import METRICS_ENV, read_snapshot
 
 from . import soak_report
 from .report import command_line
-from .serve import _device, check_engine, prepare_model, rate
-from .serve_engines import ENGINES, MODES, Server, free_port, server_command
+from .serve import add_server_arguments, check_engine, device_for, prepare_model, rate, sigterm_raises
+from .serve_engines import MODES, Server, free_port, server_command
 from .soak_client import LoadSpec, Request, Result, one_request, plan_requests, run_load
 
 __all__ = ["add_arguments", "run", "process_group_usage", "engine_prefix_cache"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", choices=ENGINES, required=True)
-    which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", help="a model directory (config.json; weights or not)")
-    which.add_argument("--preset", help="a config-only model preset, e.g. llama-1b-shape")
+    add_server_arguments(parser)
     parser.add_argument("--mode", choices=MODES, default="vattn", help="the server's mode")
     parser.add_argument("--requests", type=argtypes.positive_int, default=100_000,
                         help="requests to send (fewer when --duration ends the load first)")
@@ -77,16 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--progress-s", type=argtypes.positive_float, default=15.0)
     parser.add_argument("--request-timeout", type=argtypes.positive_float, default=600.0)
     parser.add_argument("--seed", type=argtypes.non_negative_int, default=0)
-    parser.add_argument("--out", required=True, help="results folder")
-    parser.add_argument("--models", default=None, help="where --preset models are built (default OUT/models)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--python", default=sys.executable, help="the interpreter with the engine installed")
-    parser.add_argument("--server-timeout", type=argtypes.positive_float, default=900.0)
     parser.add_argument("--server-env", action="append", default=[], type=_env_pair, metavar="KEY=VALUE",
                         help="set in the server's environment (repeatable), e.g. "
                              "VATTN_FAULT_DRILL=map:0.05 to fail driver calls while it serves")
-    parser.add_argument("engine_args", nargs="*", metavar="-- ENGINE_ARGS",
-                        help="extra server arguments, after --")
 
 
 def _env_pair(text: str) -> tuple[str, str]:
@@ -151,18 +141,19 @@ def gpu_used_mb() -> float | None:
 
 
 _SNAPSHOT_KEYS = ("pages_mapped", "pages_free", "pages_total", "active_slots", "keys_held",
-                  "requests_holding_slots", "running_requests", "idle", "steps")
+                  "requests_holding_slots", "idle", "steps")
 
 
-def _model_limits(model: str, engine_args: list[str]) -> tuple[int, int, str]:
-    """``(max_model_len, vocab, served model name)`` of a model directory."""
+def _model_limits(model: str, engine_args: list[str]) -> tuple[int, int]:
+    """``(max_model_len, vocab)`` of a model directory (``--max-model-len`` /
+    ``--context-length`` among the engine arguments override the config)."""
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)
     limit = int(cfg.get("max_position_embeddings", 4096))
     for flag in ("--max-model-len", "--context-length"):
         if flag in engine_args and engine_args.index(flag) + 1 < len(engine_args):
             limit = int(engine_args[engine_args.index(flag) + 1])
-    return limit, int(cfg.get("vocab_size", 1000)), model
+    return limit, int(cfg.get("vocab_size", 1000))
 
 
 def _served_name(base_url: str, fallback: str) -> str:
@@ -196,14 +187,6 @@ def engine_prefix_cache(base_url: str) -> dict | None:
         q, h = sums["queries"], sums.get("hits", 0.0)
         return {"queries": q, "hits": h, "hit_rate": h / q if q else 0.0}
     return {"hit_rate": sums["rate"]} if "rate" in sums else None
-
-
-def _healthy(base_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(base_url + "/health", timeout=10) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -314,9 +297,9 @@ def run(args: argparse.Namespace) -> int:
     """Run ``vattn bench soak``; 0 when every check passed."""
     version = check_engine(args.engine, args.python)
     os.makedirs(args.out, exist_ok=True)
-    device = _device(args.device)
+    device = device_for(args.device)
     model = prepare_model(args)
-    max_len, vocab, fallback = _model_limits(model, args.engine_args)
+    max_len, vocab = _model_limits(model, args.engine_args)
     spec = LoadSpec(num_requests=args.requests, rate=args.rate, input_len=args.input_len,
                     output_len=args.output_len, abort_share=args.abort, prefix_share=args.prefix_share,
                     num_prefixes=args.prefixes, prefix_len=args.prefix_len, vocab=vocab,
@@ -334,12 +317,12 @@ def run(args: argparse.Namespace) -> int:
              f"in {spec.input_len[0]}–{spec.input_len[1]}, out {spec.output_len[0]}–{spec.output_len[1]} "
              f"tokens, {args.rate:g} req/s, {spec.abort_share:.0%} aborted, {spec.prefix_share:.0%} "
              f"on {spec.num_prefixes} shared prefixes of {spec.prefix_len}")
-    previous = signal.signal(signal.SIGTERM, _stop)
+    previous = signal.signal(signal.SIGTERM, sigterm_raises)
     server = Server(server_spec, python=args.python, log_path=os.path.join(args.out, "server.log"),
                     timeout_s=args.server_timeout, host=host)
     try:
         with server:
-            name = _served_name(server.base_url, fallback)
+            name = _served_name(server.base_url, model)
             soak = _Soak(args, server, metrics_path if args.mode == "vattn" else "", name, requests)
             try:
                 start = time.monotonic()
@@ -347,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
                 load_s = time.monotonic() - start
                 final = asyncio.run(_final(soak, host, port, idle_wait_s=30.0))
                 soak.progress(soak.sample(), force=True)
-                alive = _healthy(server.base_url)
+                alive = server.healthy()
                 prefix_cache = engine_prefix_cache(server.base_url)
             finally:
                 soak.close()
@@ -371,7 +354,3 @@ def run(args: argparse.Namespace) -> int:
     png = soak_report.plot(soak.samples, os.path.join(args.out, "soak.png"), title=title)
     print(text + (f"\nplot: {png}" if png else "\nno plot (matplotlib missing)"))
     return 0 if all(ok for _, ok, _ in checks) else 1
-
-
-def _stop(signum, frame):
-    raise SystemExit(128 + signum)

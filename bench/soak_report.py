@@ -84,10 +84,10 @@ def verdicts(result: dict, samples: list[dict]) -> list[tuple[str, bool, str]]:
         else:
             audit = final.get("audit", "not run")
             out.append(("vattn audit when idle", audit == "ok", f"{audit} (page accounting after the load)"))
-            held = final.get("requests_holding_slots", final.get("running_requests"))
+            held = final.get("requests_holding_slots")
             out.append(("no slot held after the load", held is not None and held <= 1,
                         f"{held} request(s) hold a slot after a last 1-token request "
-                        f"(vLLM releases a finished request one step late: at most 1)"))
+                        f"(the engines release a finished request's slot one step late: at most 1)"))
     return out
 
 

@@ -10,7 +10,7 @@ import torch
 from .errors import ConfigError
 
 __all__ = ["KVCacheConfig", "SCRUB_POLICIES", "MAX_AUTO_RANGES", "auto_group_size", "engine_group_size",
-           "env_int"]
+           "env_int", "DRIVER_RETRIES_ENV", "driver_retries"]
 
 #: ``group_size=None`` picks the smallest group giving at most this many VA ranges, so a request
 #: wastes at most this many partly filled pages (16 MiB with 2 MiB pages). Measured on the H200
@@ -126,6 +126,15 @@ def _check_budget(budget) -> None:
         raise ConfigError(f"a fractional page_budget must be in (0, 1], got {budget}")
     if isinstance(budget, int) and budget <= 0:
         raise ConfigError(f"page_budget in bytes must be positive, got {budget}")
+
+
+#: Times a cache call whose driver call failed is retried within an engine step (every adapter)
+DRIVER_RETRIES_ENV = "VATTN_DRIVER_RETRIES"
+
+
+def driver_retries(retries: int | None = None) -> int:
+    """``retries`` if given, else ``$VATTN_DRIVER_RETRIES`` (default 2)."""
+    return env_int(DRIVER_RETRIES_ENV, 2, minimum=0) if retries is None else int(retries)
 
 
 def env_int(name: str, default: int | None = None, *, minimum: int | None = None) -> int | None:

@@ -51,7 +51,7 @@ class MetricsFile:
                  idle_s: float | None = None, clock=time.monotonic):
         if not path:
             raise ConfigError("MetricsFile: expected a file path, got an empty one")
-        if every_s < 0 or (idle_s is not None and idle_s <= 0):
+        if not every_s >= 0 or (idle_s is not None and not idle_s > 0):      # NaN refused too
             raise ConfigError(f"MetricsFile: expected every_s >= 0 and idle_s > 0, got {every_s}, {idle_s}")
         self.path = path.replace("{pid}", str(os.getpid()))
         self.read, self.audit = read, audit

@@ -27,7 +27,7 @@ def allocator_metrics(alloc) -> dict:
         "alloc_extend_us": alloc.extend_us.as_dict(), "alloc_decode_us": alloc.decode_us.as_dict(),
         "free_us": alloc.free_us.as_dict(), "prewarmed_pages": alloc.prewarmed_pages,
         "device_reads": alloc.requests.device_reads, "driver_retries": alloc.requests.retry.retried,
-        "hit_copy_waits": alloc.requests.hit_ids.waits, "running_requests": len(alloc.requests.running_slots()),
+        "hit_copy_waits": alloc.requests.hit_ids.waits, "requests_holding_slots": alloc.requests.live,
         "rows_per_slot": alloc.rows_per_slot, "max_slots": cache.config.max_slots,
         "layout": cache_layout_row(cache.config, cache.layout.page_bytes)})
 

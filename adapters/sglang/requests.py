@@ -39,7 +39,7 @@ import time
 import numpy as np
 import torch
 
-from vattn.core.config import env_int
+from vattn.core.config import DRIVER_RETRIES_ENV, driver_retries
 from vattn.core.errors import ConfigError, DriverRetry, SlotError, VattnError
 from vattn.core.metrics import Histogram
 
@@ -47,8 +47,6 @@ from .late_ids import HitIds, LateIds, page_cells
 
 #: Slot reserved for SGLang's padding row 0 and CUDA-graph padding (held by the pool).
 PAD_SLOT = 0
-#: times a failed driver call is retried within a forward (default 2)
-RETRIES_ENV = "VATTN_DRIVER_RETRIES"
 
 
 class RequestSlots:
@@ -82,8 +80,8 @@ class RequestSlots:
         self._row_of_rid: dict[str, int] = {}        # request id -> row (learnt at its extend)
         self._rid_of_row: dict[int, str] = {}
         #: runs a cache call, retried while a driver call fails (``retried``: a metric)
-        self.retry = DriverRetry(env_int(RETRIES_ENV, 2, minimum=0) if retries is None else int(retries),
-                                 f"{RETRIES_ENV}; SGLang cannot preempt one request from the "
+        self.retry = DriverRetry(driver_retries(retries),
+                                 f"{DRIVER_RETRIES_ENV}; SGLang cannot preempt one request from the "
                                  "attention backend")
         self.late = LateIds(cache, page_size, self.retry)   # page-sets claimed, ids not bound yet
         self.hit_ids = HitIds(page_size)             # radix hits' page ids, copied at alloc

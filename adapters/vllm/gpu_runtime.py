@@ -23,7 +23,7 @@ import torch
 
 from vattn.core import KVCacheConfig, VirtualKVCache, snapshots
 from vattn.core.layout import cache_layout_row
-from vattn.core.config import env_int
+from vattn.core.config import DRIVER_RETRIES_ENV, driver_retries
 from vattn.core.errors import ConfigError, DriverRetry, VattnError
 from vattn.core.metrics import Histogram
 
@@ -68,9 +68,8 @@ class GpuRuntime:
         #: times a cache call whose driver call failed is retried within the step (default
         #: ``$VATTN_DRIVER_RETRIES`` or 2); past that the error propagates (no preemption path
         #: on the GPU runner yet)
-        self._retry = DriverRetry(env_int("VATTN_DRIVER_RETRIES", 2, minimum=0) if retries is None
-                                  else int(retries),
-                                  "VATTN_DRIVER_RETRIES; the GPU runner has no preemption path for it yet")
+        self._retry = DriverRetry(driver_retries(retries),
+                                  f"{DRIVER_RETRIES_ENV}; the GPU runner has no preemption path for it yet")
         lay = self.cache.layout
         if lay.tokens_for(1) != block_size or lay.pages_for(block_size) != 1:
             raise ConfigError(f"block_size {block_size} is not one page-set ({lay.tokens_for(1)} tokens)")

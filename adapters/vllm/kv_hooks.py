@@ -31,7 +31,7 @@ import os
 import time
 import weakref
 
-from vattn.core.config import env_int
+from vattn.core.config import driver_retries, env_int
 from vattn.core.errors import ConfigError, UnsupportedError
 
 from . import runtime as rt
@@ -47,9 +47,9 @@ PATCHES: dict[str, list[str]] = {
             "GPUModelRunner.shutdown"],   # V2 runner; details in gpu_hooks.PATCHES
 }
 _MARK = "_vattn_patched"
-#: Driver-call retries within a step before a request loses its KV, and preemptions for driver
-#: faults before it is finished with an error (see :class:`~.runtime.VattnRuntime`)
-RETRIES_ENV, PREEMPTIONS_ENV = "VATTN_DRIVER_RETRIES", "VATTN_FAULT_PREEMPTIONS"
+#: Preemptions for driver faults before a request is finished with an error (see
+#: :class:`~.runtime.VattnRuntime`; the retries before one: ``vattn.core.config.driver_retries``)
+PREEMPTIONS_ENV = "VATTN_FAULT_PREEMPTIONS"
 #: a fault drill in a running engine (:func:`_fault_drill`)
 FAULT_DRILL_ENV = "VATTN_FAULT_DRILL"
 
@@ -101,7 +101,7 @@ def _wrap_init_kv(original):
         rt.uninstall()
         rank, exchange = _tp_exchange(self.vllm_config)
         drill = _fault_drill(rank)
-        runtime = rt.VattnRuntime(config, block_size=block_size, retries=env_int(RETRIES_ENV, 2, minimum=0),
+        runtime = rt.VattnRuntime(config, block_size=block_size, retries=driver_retries(),
                                   max_preemptions=env_int(PREEMPTIONS_ENV, 3, minimum=0), exchange=exchange)
         if drill is not None:
             drill(runtime)

@@ -57,3 +57,14 @@ def test_env_int(monkeypatch):
     monkeypatch.setenv("VATTN_TEST_INT", "two")
     with pytest.raises(ConfigError, match=r"VATTN_TEST_INT must be an integer, got 'two'"):
         env_int("VATTN_TEST_INT")
+
+
+def test_driver_retries_reads_the_one_variable(monkeypatch):
+    from vattn.core.config import DRIVER_RETRIES_ENV, driver_retries
+    monkeypatch.delenv(DRIVER_RETRIES_ENV, raising=False)
+    assert driver_retries() == 2 and driver_retries(5) == 5
+    monkeypatch.setenv(DRIVER_RETRIES_ENV, "0")
+    assert driver_retries() == 0 and driver_retries(3) == 3
+    monkeypatch.setenv(DRIVER_RETRIES_ENV, "-2")
+    with pytest.raises(ConfigError, match="VATTN_DRIVER_RETRIES must be an integer >= 0, got '-2'"):
+        driver_retries()

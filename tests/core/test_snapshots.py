@@ -83,6 +83,8 @@ def test_from_env(tmp_path):
         from_env(dict, environ={METRICS_ENV: "x.json", "VATTN_METRICS_EVERY_S": "soon"})
     with pytest.raises(ConfigError, match="expected every_s >= 0 and idle_s > 0"):
         MetricsFile("x.json", dict, every_s=-1)
+    with pytest.raises(ConfigError, match="expected every_s >= 0 and idle_s > 0"):
+        from_env(dict, environ={METRICS_ENV: "x.json", "VATTN_METRICS_EVERY_S": "nan"})
     with pytest.raises(ConfigError, match="expected a file path"):
         MetricsFile("", dict)
     assert read_snapshot(str(tmp_path / "none.json")) is None
