@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from vattn.core import VirtualKVCache
 from vattn.core.errors import VattnError
+from vattn.core.requests import RequestSlots
 
 from . import regions
 
@@ -31,7 +32,7 @@ class TgiRuntime:
     tenant: str | None = None
 
     def __post_init__(self):
-        self.slot_of: dict[int, int] = {}
+        self.slot_of = RequestSlots(self.cache)
 
     @property
     def rows_per_slot(self) -> int:
@@ -55,8 +56,7 @@ class TgiRuntime:
             if req.id in self.slot_of:
                 continue
             n = int(batch.cu_slots[i + 1] - batch.cu_slots[i])
-            slot = self.cache.acquire(tenant=self.tenant, expected_len=min(n, cfg.max_context))
-            self.slot_of[req.id] = slot
+            slot = self.slot_of.take(req.id, tenant=self.tenant, expected_len=min(n, cfg.max_context))
             regions.rewrite_request_slots(batch.slots, batch.cu_slots, i, slot,
                                           rows_per_slot=self.rows_per_slot,
                                           max_context=cfg.max_context, num_regions=cfg.max_slots)
@@ -75,16 +75,10 @@ class TgiRuntime:
         The core records a fence on the current stream, so pages are unmapped only after the
         kernels already queued for the last forward have finished.
         """
-        freed = []
-        for rid in list(request_ids):
-            slot = self.slot_of.pop(rid, None)
-            if slot is not None:
-                self.cache.release(slot)
-                freed.append(slot)
-        return freed
+        return self.slot_of.drop_many(request_ids)
 
     def release_all(self) -> list[int]:
-        return self.release(list(self.slot_of))
+        return self.slot_of.drop_all()
 
     def capacity_tokens(self) -> int:
         """Tokens the router may admit (see :func:`regions.capacity_tokens`)."""

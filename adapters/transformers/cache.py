@@ -18,6 +18,7 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from vattn.core import KVCacheConfig, VirtualKVCache
 from vattn.core.errors import ConfigError, SlotError, UnsupportedError
 from vattn.core.ops import resolve_backend
+from vattn.core.requests import RequestSlots
 
 __all__ = ["VattnPagedCache", "Backends", "resolve_backends", "ATTN_NAME"]
 
@@ -83,7 +84,7 @@ class VattnPagedCache(PagedAttentionCache):
         self.value_cache = [stub] * len(self.value_cache)
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()  # hand the stock pool back before vattn maps its pages
-        self._slots: dict[str, int] = {}
+        self._slots = RequestSlots(self.vattn)
         self._trash = self.vattn.acquire(tenant="__trash__", expected_len=2)
         if self.vattn.ensure({self._trash: 2}) or self.vattn.capacity().free_page_sets < 1:
             budget = self.vattn.config.page_budget
@@ -102,38 +103,34 @@ class VattnPagedCache(PagedAttentionCache):
         fresh = slot is None
         if fresh:
             try:
-                slot = self.vattn.acquire(tenant=None, expected_len=want)
+                slot = self._slots.take(request_id, expected_len=want)
             except SlotError:
                 return None  # every slot busy: the manager requeues
         if self.vattn.ensure({slot: want}):
             if fresh:
-                self.vattn.release(slot)
+                self._slots.drop(request_id)
             return None  # out of pages: the manager's own requeue, never a crash
         granted = super().allocate_blocks(n_blocks, request_id, allocated_blocks)
         if granted is None and fresh:
-            self.vattn.release(slot)
-        elif fresh:
-            self._slots[request_id] = slot
+            self._slots.drop(request_id)
         return granted
 
     def free_blocks(self, request_id: str) -> None:
         super().free_blocks(request_id)
-        if self.vattn is not None and request_id in self._slots:
-            self.vattn.release(self._slots.pop(request_id))
+        if self.vattn is not None:
+            self._slots.drop(request_id)
 
     def free_all_requests(self) -> None:
         super().free_all_requests()
         if self.vattn is not None:
-            for slot in self._slots.values():
-                self.vattn.release(slot)
-            self._slots.clear()
+            self._slots.drop_all()
 
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index):
         if self.vattn is None:
             return super().extend_read_and_write_indices(request_id, past_length, query_length,
                                                          read_index, write_index)
         # write rows only: paged|vattn reads the slot's rows in place, so no read index is built
-        base = self._slots[request_id] * self.vattn.layout.rows_per_slot
+        base = self._slots.base_row(request_id)
         for rows in write_index:
             rows.extend(range(base + past_length, base + past_length + query_length))
 

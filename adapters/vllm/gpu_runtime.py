@@ -26,6 +26,7 @@ from vattn.core.layout import cache_layout_row
 from vattn.core.config import DRIVER_RETRIES_ENV, driver_retries
 from vattn.core.errors import ConfigError, DriverRetry, VattnError
 from vattn.core.metrics import Histogram
+from vattn.core.requests import RequestSlots
 
 from .slot_tables import SlotTables
 
@@ -85,7 +86,7 @@ class GpuRuntime:
         self.tables = SlotTables(max_num_reqs=config.max_slots, max_num_tokens=max_num_tokens,
                                  rows_per_slot=lay.rows_per_slot, padding_slot=self.cache.padding_slot,
                                  device=config.torch_device)
-        self._slot: dict[int, int] = {}        # request index -> vattn slot
+        self._slot = RequestSlots(self.cache)   # request index -> vattn slot
         self._pending: dict[int, int] = {}     # request index -> tokens its blocks cover
         self.sharing = prefix_caching
         self._binds: dict[int, list] = {}      # request index -> [first new block, new ids, hits]
@@ -115,8 +116,7 @@ class GpuRuntime:
             if index in self._slot:                     # re-added without a removal: a new request
                 self.release(index)
             prefer = block_ids[hits - 1] if self.sharing and hits else None
-            slot = self._slot[index] = self._retry(
-                lambda: self.cache.acquire(expected_len=tokens, prefer=prefer))
+            slot = self._retry(lambda: self._slot.take(index, expected_len=tokens, prefer=prefer))
             self.tables.assign(index, slot)
         elif index not in self._slot:
             raise VattnError(f"request index {index} got blocks but holds no vattn slot")
@@ -167,11 +167,9 @@ class GpuRuntime:
 
     def release(self, index: int) -> None:
         """Request ``index`` left (finished, aborted or preempted): release its slot, fenced."""
-        slot = self._slot.pop(index, None)
         self._pending.pop(index, None)
         self._binds.pop(index, None)
-        if slot is not None:
-            self.cache.release(slot)
+        if self._slot.drop(index) is not None:
             self.tables.clear(index)
 
     def slot(self, index: int) -> int | None:

@@ -27,6 +27,7 @@ import torch
 from vattn.core import KVCacheConfig, VirtualKVCache
 from vattn.core.errors import ConfigError, DriverError, SlotError, UnsupportedError, VattnError
 from vattn.core import ops, snapshots
+from vattn.core.requests import RequestSlots
 
 from .faults import ERROR, PREEMPT, FaultBook
 from .registry import current, driver_wrapper, install, installed, set_driver_wrapper, uninstall
@@ -112,7 +113,7 @@ class VattnRuntime:
                               f"tokens of {lay.page_bytes} bytes per range)")
         self.block_size = block_size
         self.rows_per_slot = lay.rows_per_slot
-        self._slot_of: dict[str, int] = {}
+        self._slot_of = RequestSlots(self.cache)
         self._blocks: dict[str, int] = {}      # req_id -> blocks bound (prefix caching)
         self._block_ids: dict[str, list[int]] = {}   # req_id -> its vLLM block ids (prefix caching)
         self._plan: StepPlan | None = None
@@ -163,12 +164,10 @@ class VattnRuntime:
         counted (``preemptions``: vLLM's own and those vattn asked for)."""
         self.counts["preemptions"] += len(preempted)
         for req_id in req_ids:
-            slot = self._slot_of.pop(req_id, None)
+            self._slot_of.drop(req_id)
             self._blocks.pop(req_id, None)
             self._block_ids.pop(req_id, None)
             self.faults.left(req_id, finished=False)
-            if slot is not None:
-                self.cache.release(slot)
         for req_id in finished:
             self.faults.left(req_id, finished=True)
 
@@ -271,18 +270,12 @@ class VattnRuntime:
     def _acquire(self, req_id: str, expected_len: int, *, prefer=None, before: int = 0) -> int | None:
         """A slot for ``req_id`` (recorded), or ``None`` after killing it: driver faults while the
         slot's pages were re-tagged, ``retries + 1`` times (a failed re-tag leaves the slot idle)."""
-        slot = None
-
-        def acquire() -> bool:
-            nonlocal slot
-            slot = self.cache.acquire(expected_len=expected_len, prefer=prefer)
-            return True
-        ok, why = self.faults.retry(acquire)
+        ok, why = self.faults.retry(
+            lambda: self._slot_of.take(req_id, expected_len=expected_len, prefer=prefer) >= 0)
         if not ok:
             self.kill(req_id, why, before=before, fault=True)
             return None
-        self._slot_of[req_id] = slot
-        return slot
+        return self._slot_of[req_id]
 
     def kill(self, req_id: str, reason: str, *, before: int = 0, action: str | None = None,
              fault: bool = False, throttle: bool = False, evict: list | None = None) -> None:
@@ -298,7 +291,6 @@ class VattnRuntime:
         if req_id in self.faults.dead:
             return
         action, reason = self.faults.decide(req_id, reason, action, fault)
-        slot = self._slot_of.pop(req_id, None)
         self._blocks.pop(req_id, None)
         if not self.sharing:
             evict = []
@@ -306,8 +298,7 @@ class VattnRuntime:
             evict = self._block_ids.get(req_id, [])[before // self.block_size:]
         if evict:
             self.cache.forget(evict)
-        if slot is not None:
-            self.cache.release(slot)
+        self._slot_of.drop(req_id)
         self.faults.record(req_id, action, reason, evict, throttle)
         writes = set(evict)                    # the blocks it was to write this step
         for other, hits in list(self._step_hits.items()):
@@ -466,8 +457,6 @@ class VattnRuntime:
         self._step_hits = {}
 
     def slot(self, req_id: str) -> int:
-        if req_id not in self._slot_of:
-            raise SlotError(f"request {req_id!r} holds no vattn slot")
         return self._slot_of[req_id]
 
     # -- device side: called by every attention layer --------------------------------------------

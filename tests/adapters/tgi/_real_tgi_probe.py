@@ -47,7 +47,7 @@ print("decode_matches")
 cache = text_generation_server.cache.Cache()
 cache.set(SimpleNamespace(batch_id=1, requests=batch.requests))
 cache.delete(1)
-assert rt.slot_of == {}
+assert rt.slot_of.as_dict() == {}
 print("released_on_delete")
 
 # A real FlashCausalLMBatch from TGI's protobuf (warmup-style: no router blocks), then filter.
@@ -67,6 +67,6 @@ s21, s22 = rt.bind(b)
 assert b.slots[b.slot_indices].tolist() == [s21 * C + t for t in range(3)] + [s22 * C + t for t in range(5)]
 assert b.block_tables_tensor[:, 0].tolist() == [s21, s22]
 kept = b.filter([22])
-assert rt.slot_of == {22: s22} and kept.block_tables_tensor[:, 0].tolist() == [s22]
+assert rt.slot_of.as_dict() == {22: s22} and kept.block_tables_tensor[:, 0].tolist() == [s22]
 assert kept.slots[:5].tolist() == [s22 * C + t for t in range(5)]
 print("real_batch_bind_filter")

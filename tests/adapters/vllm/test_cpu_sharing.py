@@ -286,7 +286,7 @@ def test_update_hook_binds_new_running_and_resumed_requests(hooked, monkeypatch)
     run.end_step()
     # finished: released, its block count forgotten
     hooked.step(_output(finished=["a", "b", "c"]))
-    assert run._slot_of == {} and run._blocks == {}
+    assert run._slot_of.as_dict() == {} and run._blocks == {}
 
 
 def test_update_hook_refuses_block_copies(hooked):
