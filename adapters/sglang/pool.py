@@ -154,6 +154,15 @@ class VattnMHATokenToKVPool(MHATokenToKVPool):
         """Write new K/V of ``layer`` at slot rows ``rows`` (``slot * C + position``)."""
         super().set_kv_buffer(layer, KVWriteLoc(rows, None), cache_k, cache_v)
 
+    def _store_kv_layer(self, layer_idx, loc, cache_k, cache_v):
+        """SGLang's per-layer write; on the host backend (CPU) a plain indexed store: SGLang picks
+        its store kernel by how it was built (a CUDA build takes its CUDA kernel), not by the
+        tensors' device, and that kernel given host tensors crashed the CPU suite on a GPU machine."""
+        k, v = self.k_buffer[layer_idx], self.v_buffer[layer_idx]
+        if k.is_cuda:
+            return super()._store_kv_layer(layer_idx, loc, cache_k, cache_v)
+        k[loc], v[loc] = cache_k, cache_v
+
     def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, *args, **kwargs):
         raise UnsupportedError("vattn pool: KV is written by the vattn attention backend "
                                "(SGLang page ids do not address rows here); another writer of "

@@ -55,8 +55,11 @@ cat "$R/env.txt" >> "$SUM"
 G="python3 -m vattn.bench.gpu.sglang_stages"
 for stage in ${VATTN_STAGES:-identity decode-heavy prefill-heavy}; do
   case "$stage" in
-    tests) run_stage tests 30 90 python3 -u -X faulthandler -m pytest -v --assert=plain tests/adapters/sglang tests/conformance/sglang \
-             tests/bench/sglang -p no:cacheprovider ;;
+    tests) VATTN_CRASH_LOG=$R/tests.crash.txt run_stage tests 30 90 python3 -u -X faulthandler -m pytest -v \
+             --assert=plain tests/adapters/sglang tests/conformance/sglang tests/bench/sglang -p no:cacheprovider
+           if [ -s "$R/tests.crash.txt" ]; then
+             { echo "-- Python frames at the crash:"; tail -c 3000 "$R/tests.crash.txt"; } >> "$SUM"; pack
+           fi ;;
     kernels) run_stage kernels 20 120 python3 -m pytest -q -m gpu -k sgl_fa3 -p no:cacheprovider \
                tests/core/test_ops_decode.py tests/core/test_ops_prefill.py ;;
     identity) run_stage identity 200 300 $G identity --out "$R" ;;

@@ -7,9 +7,11 @@ no torchvision is, an import-only stand-in is registered: every attribute is a p
 ``RuntimeError`` when called. With a real torchvision installed nothing is changed.
 """
 
+import faulthandler
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import types
 
@@ -58,22 +60,8 @@ if importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("
     sys.meta_path.insert(0, _TorchvisionStandIn())
 
 
-def _python_frames_on_a_crash() -> None:
-    """``tvm_ffi`` (an SGLang dependency) installs its own SIGSEGV handler when it loads, over
-    Python's faulthandler, and prints C frames only (a crash on the GPU machine named no test
-    line). Load it now and put faulthandler back on top: it dumps the Python frames, then
-    chains to the handler it replaced."""
-    if importlib.util.find_spec("tvm_ffi") is None:
-        return
-    import faulthandler
-    try:
-        import tvm_ffi  # noqa: F401
-    except Exception:       # a broken optional dependency: leave the handlers alone
-        return
-    faulthandler.enable(all_threads=True)
-
-
-_python_frames_on_a_crash()
+#: ``$VATTN_CRASH_LOG``, open for the process's life: where the Python frames of a crash go
+_CRASH_LOG = open(os.environ["VATTN_CRASH_LOG"], "a") if os.environ.get("VATTN_CRASH_LOG") else None
 
 
 # -- SGLang's own KV-cache configurator on the CPU ------------------------------------------------
@@ -142,3 +130,17 @@ def configure_pools(sglang_server_args, monkeypatch):
                                    token_to_kv_pool_allocator=None)
 
     return build
+
+
+@pytest.fixture(autouse=True)
+def python_frames_on_a_crash():
+    """With ``$VATTN_CRASH_LOG`` set (the GPU runner sets it), Python's faulthandler is put back
+    on top before every test: ``tvm_ffi`` (an SGLang dependency, loaded when a test module
+    imports SGLang) installs its own SIGSEGV handler over it, which prints C frames only (a
+    crash on the GPU machine named no test line). faulthandler dumps the Python frames to the
+    file (pytest captures stderr, and a crashed process never hands the capture back), then
+    chains to the handler it replaced. ``enable`` alone does nothing while it is on."""
+    if _CRASH_LOG is not None:
+        faulthandler.disable()
+        faulthandler.enable(file=_CRASH_LOG, all_threads=True)
+    yield
