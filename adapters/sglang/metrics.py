@@ -26,6 +26,8 @@ def allocator_metrics(alloc) -> dict:
     return jsonable(cache.metrics() | {
         "alloc_extend_us": alloc.extend_us.as_dict(), "alloc_decode_us": alloc.decode_us.as_dict(),
         "free_us": alloc.free_us.as_dict(), "prewarmed_pages": alloc.prewarmed_pages,
+        "prepare_phase_ms": {mode: {k: round(v, 2) for k, v in parts.items()}
+                             for mode, parts in alloc.requests.phase_ms.items()},
         "device_reads": alloc.requests.device_reads, "driver_retries": alloc.requests.retry.retried,
         "hit_copy_waits": alloc.requests.hit_ids.waits, "requests_holding_slots": alloc.requests.live,
         "rows_per_slot": alloc.rows_per_slot, "max_slots": cache.config.max_slots,

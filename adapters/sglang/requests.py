@@ -49,6 +49,25 @@ from .late_ids import HitIds, LateIds, page_cells
 PAD_SLOT = 0
 
 
+#: the parts of :meth:`RequestSlots.prepare` timed apart (``phase_ms``): binding the page ids that
+#: landed, releasing departed rows, prefix hits (ids, the wait for them, mapping them), new
+#: rows' slots, claiming the pages given since the last forward, the core's step
+PHASES = ("resolve", "release", "hits", "acquire", "claim", "step")
+
+
+class _Laps:
+    """Adds the time since the last lap to ``into[name]`` (milliseconds)."""
+
+    __slots__ = ("into", "last")
+
+    def __init__(self, into: dict, start: float):
+        self.into, self.last = into, start
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name] += (now - self.last) * 1e3
+        self.last = now
+
 class RequestSlots:
     """The request-row -> slot table of one vattn SGLang pool.
 
@@ -91,6 +110,9 @@ class RequestSlots:
         self.return_pages = None                     # the allocator's ``ids -> None``
         #: host time per forward (prepare) and per free, microseconds
         self.extend_us, self.decode_us, self.free_us = Histogram(), Histogram(), Histogram()
+        #: host ms per part of :meth:`prepare`, summed, for extends and decodes apart (the
+        #: histograms above give each call's total)
+        self.phase_ms = {mode: dict.fromkeys(PHASES, 0.0) for mode in ("extend", "decode")}
         self.on_idle = None                          # called when the last running request leaves
         self.on_step = None                          # called after each forward's preparation
 
@@ -260,8 +282,11 @@ class RequestSlots:
         start = time.perf_counter()
         if self.req_to_token is None:
             raise ConfigError("RequestSlots.prepare before attach(req_to_token_pool)")
+        lap = _Laps(self.phase_ms["decode" if prefix_lens is None else "extend"], start)
         self.late.resolve(wait=False)                # bind what has landed
+        lap("resolve")
         self._release_departed()
+        lap("release")
         known = self._rows_of_rids(rids)
         if known is None:
             self.device_reads += isinstance(rows, torch.Tensor)
@@ -290,8 +315,10 @@ class RequestSlots:
                              None if rids is None else [rids[i] for i in hit_at.tolist()])
         if hit_at.size:
             self.late.resolve(wait=True)         # a hit may name a page claimed earlier
+        lap("hits")
         if new.any():
             self._acquire(rows, seq, new, dict(zip(hit_at.tolist(), hit_ids)))
+        lap("acquire")
         slots = self.slot_of[rows]
         if hit_at.size:
             items = [(int(slots[i]), 0, ids, len(ids)) for i, ids in zip(hit_at.tolist(), hit_ids)]
@@ -299,12 +326,15 @@ class RequestSlots:
             if failed:
                 raise VattnError(f"vattn could not map the page-sets of slots {failed} although "
                                  f"SGLang allocated their pages; capacity: {self.cache.capacity()}")
+        lap("hits")
         low = np.where(new, hits, self.bound[rows])
         need = np.flatnonzero(want > low)
         if need.size:
             self.late.claim(self.req_to_token, rows[need], slots[need], low[need], want[need])
         self.bound[rows[need]] = want[need]
+        lap("claim")
         self.retry(lambda: self.cache.step(slots, seq))   # lengths; pages mapped ahead in the background
+        lap("step")
         hist = self.decode_us if prefix_lens is None else self.extend_us
         hist.observe((time.perf_counter() - start) * 1e6)
         if self.on_step is not None:

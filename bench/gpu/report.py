@@ -65,7 +65,9 @@ _COUNTERS = ("pages_mapped_on_demand", "map_calls", "unmap_calls", "set_access_c
              "warm_hits", "prefix_hits", "pages_aliased", "keys_bound", "page_sets_moved", "keys_held",
              "slot_mapping", "layout",
              # SGLang: host waits for the device before a forward, hit copies waited for, retries
-             "device_reads", "hit_copy_waits", "driver_retries")
+             "device_reads", "hit_copy_waits", "driver_retries",
+             # SGLang: host ms per part of a forward's preparation (extend / decode)
+             "prepare_phase_ms")
 
 
 def critical_path_summary(m: dict, engine: str) -> dict:

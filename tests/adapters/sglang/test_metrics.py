@@ -56,3 +56,24 @@ def test_no_file_without_the_variable(tmp_path, monkeypatch):
     e.finish(a)
     e.pool.requests.prepare([], [])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_prepare_phases_add_up_to_the_calls():
+    """The parts of a forward's preparation (``prepare_phase_ms``) cover the whole call: their sum
+    is the histogram's total for extends and for decodes, and a radix hit shows under ``hits``."""
+    e = Engine(radix=True)
+    a = new_req(list(range(40)))
+    e.admit([a])
+    e.decode([a])
+    e.finish(a)
+    b = new_req(list(range(40)) + [99])      # two whole pages of a's are hits
+    assert e.admit([b]) == [32]
+    e.decode([b])
+    m = allocator_metrics(e.alloc)
+    for mode, hist in (("extend", "alloc_extend_us"), ("decode", "alloc_decode_us")):
+        parts = m["prepare_phase_ms"][mode]
+        assert set(parts) == {"resolve", "release", "hits", "acquire", "claim", "step"}
+        total_ms = m[hist]["mean_us"] * m[hist]["count"] / 1e3
+        assert sum(parts.values()) == pytest.approx(total_ms, rel=0.05, abs=0.05)
+    assert m["prepare_phase_ms"]["extend"]["hits"] > 0 and m["prepare_phase_ms"]["extend"]["acquire"] > 0
+    assert m["prepare_phase_ms"]["decode"]["acquire"] < m["prepare_phase_ms"]["extend"]["acquire"]
