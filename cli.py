@@ -35,6 +35,7 @@ _BENCHES = {
     "serve": ("vattn.bench.serve", "the engine's own server + benchmark client, stock vs vattn, alternated"),
     "faults": ("vattn.bench.faults", "driver faults and a dry page pool inside a running vLLM engine"),
     "soak": ("vattn.bench.soak", "an engine server under mixed load with aborts: memory, fds, pages, audit"),
+    "aliasing": ("vattn.bench.aliasing", "decode over a shared prefix: private copies vs aliased pages vs one region"),
 }
 
 
