@@ -107,7 +107,7 @@ def test_vmm_on_cuda_without_cuda_python(capsys, monkeypatch):
 # -- every command with wrong flags: (argv, a fragment of the line) ----------------------------------
 FLAG_CASES = [
     (["frob"], "vattn: error: argument command: invalid choice: 'frob'"),
-    (["bench"], "vattn bench: error: the following arguments are required: {vmm,attention,layout,host,engine,serve,faults,soak}"),
+    (["bench"], "vattn bench: error: the following arguments are required: {vmm,attention,layout,host,engine,serve,faults,soak,aliasing}"),
     (["info", "--bogus"], "vattn info: error: unrecognized arguments: --bogus (see vattn info --help)"),
     (["bench", "vmm", "--pages", "-5"], "vattn bench vmm: error: argument --pages: expected an int >= 1, got '-5'"),
     (["bench", "vmm", "--batches", "1,x"], "argument --batches: expected a comma-separated list of ints >= 1"),
@@ -145,6 +145,8 @@ FLAG_CASES = [
     (["bench", "engine", "--results", "no-such-results-dir"],
      "vattn bench engine: ConfigError: --results: expected a folder of stage JSONs"),
     (["bench", "engine", "--results", ".", "--hbm-tbps", "-3"], "argument --hbm-tbps: expected a number > 0"),
+    (["bench", "aliasing", "--batch", "0"], "argument --batch: expected an int >= 1"),
+    (["bench", "aliasing", "--model-shape", "16,8,64,3"], "argument --model-shape: expected layers,kv_heads,head_dim,group"),
     (["conformance", "--engine", "foo"], "vattn conformance: error: argument --engine: invalid choice: 'foo'"),
     (["conformance", "--num-requests", "0"], "argument --num-requests: expected an int >= 1"),
     (["conformance", "--repeats", "0"], "argument --repeats: expected an int >= 1"),
