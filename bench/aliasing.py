@@ -23,7 +23,7 @@ import json
 import torch
 
 from .. import argtypes
-from ..core import KVCacheConfig, VirtualKVCache
+from ..core import KVCacheConfig, KVLayout, VirtualKVCache
 from ..core.ops import decode, resolve_backend
 from .limits import check_fits
 from .paged_baselines import bench_us, hbm_copy_tbps
@@ -53,14 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="also write the raw numbers here")
 
 
-def _cache(shape, *, device: str, slots: int, tokens: int, page_sets: int) -> VirtualKVCache:
+def _config(shape, *, device: str, slots: int, tokens: int, page_sets: int = 1) -> KVCacheConfig:
+    """A cache of ``slots`` regions of ``tokens`` and ``page_sets`` page-sets (+ the padding slot's)."""
     layers, heads, dim, group = shape
     page = _HOST_PAGE if torch.device(device).type == "cpu" else _CUDA_PAGE
     ranges = layers // group                 # G layers' K and V share one range
-    return VirtualKVCache(KVCacheConfig(
-        num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype=torch.bfloat16, max_slots=slots,
-        max_context=tokens, group_size=group, device=device, map_ahead_tokens=0,
-        page_bytes=page, page_budget=(page_sets + 1) * ranges * page))   # + the padding slot
+    return KVCacheConfig(num_layers=layers, num_kv_heads=heads, head_dim=dim, dtype=torch.bfloat16,
+                         max_slots=slots, max_context=tokens, group_size=group, device=device,
+                         map_ahead_tokens=0, page_bytes=page, page_budget=(page_sets + 1) * ranges * page)
 
 
 def measure(shape, *, device: str, batch: int, prefix: int) -> dict:
@@ -74,10 +74,11 @@ def measure(shape, *, device: str, batch: int, prefix: int) -> dict:
     lens = torch.full((batch,), prefix, dtype=torch.int32, device=dev)
     backend = resolve_backend("decode", device=dev, dtype=torch.bfloat16, head_dim=dim)
     out, times = {}, {}
-    with _cache(shape, device=device, slots=batch, tokens=prefix, page_sets=1) as probe:
-        sets = probe.layout.pages_for(prefix)
-    with _cache(shape, device=device, slots=batch, tokens=prefix, page_sets=batch * sets) as own, \
-            _cache(shape, device=device, slots=batch, tokens=prefix, page_sets=sets) as shared:
+    probe = _config(shape, device=device, slots=batch, tokens=prefix)
+    sets = KVLayout.from_config(probe, probe.page_bytes).pages_for(prefix)
+    with VirtualKVCache(_config(shape, device=device, slots=batch, tokens=prefix,
+                                page_sets=batch * sets)) as own, \
+            VirtualKVCache(_config(shape, device=device, slots=batch, tokens=prefix, page_sets=sets)) as shared:
         own_slots = [own.acquire() for _ in range(batch)]
         if own.ensure({s: prefix for s in own_slots}):
             raise RuntimeError("the private cache could not map its prefixes")   # sized above

@@ -286,10 +286,10 @@ async def _final(soak: _Soak, host: str, port: int, idle_wait_s: float) -> dict 
     deadline = time.monotonic() + idle_wait_s
     while time.monotonic() < deadline:
         await asyncio.sleep(0.5)
-        snap = read_snapshot(soak.metrics_path) if soak.metrics_path else None
+        snap = read_snapshot(soak.metrics_path)
         if snap and snap.get("idle") and snap["time"] >= marker:
             return snap
-    snap = read_snapshot(soak.metrics_path) if soak.metrics_path else None
+    snap = read_snapshot(soak.metrics_path)
     return snap if snap and snap.get("idle") else None
 
 

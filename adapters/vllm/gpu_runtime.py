@@ -151,7 +151,7 @@ class GpuRuntime:
                                  f"allocated their blocks; capacity: {self.cache.capacity()}")
         if self._pending:
             indices = list(self._pending)
-            slots = np.fromiter((self._slot[i] for i in indices), dtype=np.int64, count=len(indices))
+            slots = self._slot.array(indices)
             lengths = np.fromiter(self._pending.values(), dtype=np.int64, count=len(indices))
             self._pending.clear()
             # ensure + one block mapped ahead in the background (a reused warm slot's surplus

@@ -270,8 +270,10 @@ class VattnRuntime:
     def _acquire(self, req_id: str, expected_len: int, *, prefer=None, before: int = 0) -> int | None:
         """A slot for ``req_id`` (recorded), or ``None`` after killing it: driver faults while the
         slot's pages were re-tagged, ``retries + 1`` times (a failed re-tag leaves the slot idle)."""
-        ok, why = self.faults.retry(
-            lambda: self._slot_of.take(req_id, expected_len=expected_len, prefer=prefer) >= 0)
+        def take() -> bool:
+            self._slot_of.take(req_id, expected_len=expected_len, prefer=prefer)
+            return True                 # done (no idle slot raises SlotError; driver faults are retried)
+        ok, why = self.faults.retry(take)
         if not ok:
             self.kill(req_id, why, before=before, fault=True)
             return None

@@ -35,6 +35,17 @@ def test_missing_request_is_a_slot_error():
             RequestSlots(cache)["x"]
 
 
+def test_array_is_the_slots_in_key_order():
+    with make_cache() as cache:
+        slots = RequestSlots(cache)
+        a, b = slots.take("a"), slots.take("b")
+        got = slots.array(["b", "a", "b"])
+        assert got.dtype.name == "int64" and got.tolist() == [b, a, b]
+        assert slots.array([]).tolist() == []
+        with pytest.raises(SlotError, match="'zz' holds no vattn slot"):
+            slots.array(["a", "zz"])
+
+
 def test_all_slots_busy_leaves_the_map_unchanged():
     with make_cache(max_slots=2) as cache:
         slots = RequestSlots(cache)

@@ -33,15 +33,10 @@
 # Results: $OUT/sglang_results.tgz (JSON per stage, engine logs, summary), rewritten after each
 # stage, and $OUT/sglang_summary.txt.
 set -u
-OUT=${OUT:-/tmp/vattn-out}; mkdir -p "$OUT"
-W=$(mktemp -d); R=$W/sglang; mkdir -p "$R"
-SUM=$R/summary.txt; : > "$SUM"
-START=$(date +%s); BUDGET=${VATTN_BUDGET_S:-530}
-if [ -n "${VATTN_SITE:-}" ]; then export PYTHONPATH="$VATTN_SITE:${PYTHONPATH:-}"; fi
 . "$(dirname "$0")/engine_lib.sh"
-link_vattn '[sglang.srt.plugins]\nvattn = vattn.adapters.sglang.plugin:register\n\n[sglang.srt.platforms]\nvattn = vattn.adapters.sglang.platform:activate\n'
+begin_run sglang 530
+use_engine sglang    # VATTN_SGLANG is set per run, for the vattn mode only, by the runner
 export SGLANG_USE_SGL_FA3_KERNEL=1
-unset VATTN_SGLANG   # set per run, for the vattn mode only, by the runner
 
 pack() { tar -czf "$OUT/sglang_results.tgz" --exclude=sglang/models -C "$W" sglang 2>/dev/null; cp "$SUM" "$OUT/sglang_summary.txt"; }
 

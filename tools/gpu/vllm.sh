@@ -32,15 +32,11 @@
 # Results: $OUT/vllm_results.tgz (JSON per stage, engine logs) and $OUT/vllm_summary.txt;
 # render them with `vattn bench engine --results <dir>/vllm`.
 set -u
-OUT=${OUT:-/tmp/vattn-out}; mkdir -p "$OUT"
-W=$(mktemp -d); R=$W/vllm; mkdir -p "$R/logs"   # work files stay out of $OUT: only 2 files go there
-SUM=$R/summary.txt; : > "$SUM"
-START=$(date +%s); BUDGET=${VATTN_BUDGET_S:-530}
-if [ -n "${VATTN_VLLM_SITE:-}" ]; then export PYTHONPATH="$VATTN_VLLM_SITE:${PYTHONPATH:-}"; fi
 . "$(dirname "$0")/engine_lib.sh"
-link_vattn '[vllm.general_plugins]\nvattn = vattn.adapters.vllm.plugin:register\n'
-export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \
-  PYTHONUNBUFFERED=1
+begin_run vllm 530   # work files stay out of $OUT: only 2 files go there
+mkdir -p "$R/logs"
+use_engine vllm
+export VLLM_USE_V2_MODEL_RUNNER=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1
 export VATTN_MODELS=${VATTN_MODELS:-/tmp/vattn-models}
 
 start_packer vllm   # pack(): engine_lib.sh

@@ -5,7 +5,6 @@ cores: each server starts in ~40 s)."""
 import argparse
 import json
 
-
 from tests.adapters.vllm._plugin import require_vllm_with_plugin  # noqa: E402
 
 require_vllm_with_plugin()
