@@ -28,8 +28,12 @@ from vattn.core.ops.synthetic import group_views
 __all__ = ["MODEL_SHAPES", "DEFAULT_SIZES", "add_arguments", "run", "measure_decode", "measure_prefill",
            "resolve_sizes", "peak_bytes"]
 
-#: name -> (q_heads, kv_heads, head_dim): the paper's shapes
-MODEL_SHAPES = {"llama3-8b": (32, 8, 128), "yi-6b": (32, 4, 128), "yi-34b": (56, 8, 128)}
+#: name -> (q_heads, kv_heads, head_dim): the paper's shapes, then a 1B-class Llama (head_dim 64,
+#: the shape of the ``llama-1b-shape`` engine runs)
+MODEL_SHAPES = {"llama3-8b": (32, 8, 128), "yi-6b": (32, 4, 128), "yi-34b": (56, 8, 128),
+                "llama-1b": (32, 8, 64)}
+#: the default grid: the paper's shapes
+PAPER_MODELS = ("llama3-8b", "yi-6b", "yi-34b")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -45,7 +49,8 @@ DEFAULT_SIZES = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sizes = lambda key: " / ".join(f"{','.join(map(str, s[key]))} on {d.upper()}"
                                    for d, s in DEFAULT_SIZES.items())
-    parser.add_argument("--models", type=argtypes.name_list(MODEL_SHAPES), default=tuple(MODEL_SHAPES))
+    parser.add_argument("--models", type=argtypes.name_list(MODEL_SHAPES), default=PAPER_MODELS,
+                        help=f"model shapes, of {', '.join(MODEL_SHAPES)} (default: {','.join(PAPER_MODELS)})")
     parser.add_argument("--contexts", type=argtypes.int_list, default=None,
                         help=f"decode contexts (default: {sizes('contexts')})")
     parser.add_argument("--batches", type=argtypes.int_list, default=None,

@@ -46,12 +46,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="multi-turn: new user tokens per turn")
     parser.add_argument("--shared", type=argtypes.positive_int, default=4096,
                         help="shared-prefix: tokens of the shared system prompt (within --prompt)")
+    parser.add_argument("--pool-fraction", type=argtypes.positive_float, default=1.0,
+                        help="with --prefix-caching: the KV pool as a share of what every request's "
+                             "whole length needs; below 1, requests wait and are preempted as in "
+                             "vLLM's scheduler (memory pressure)")
+    parser.add_argument("--fence-lag", type=argtypes.non_negative_int, default=0,
+                        help="with --prefix-caching: engine steps the device trails the host (1: "
+                             "vLLM's async scheduling); counts the fences the host had to wait for")
 
 
-def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = False):
+def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = False,
+             blocks: int | None = None, driver=None):
     """Llama-3-8B's page arithmetic (G=4: 128 tokens per 2 MiB page-set row) on CUDA; on the host
     backend the same 128 tokens per page with 1 KV head of 64 fp32 values and 256 KiB pages (16
-    fp16 values and 32 KiB pages with prefix caching, whose workloads hold more tokens)."""
+    fp16 values and 32 KiB pages with prefix caching, whose workloads hold more tokens).
+    ``blocks``: page-sets in the pool (default: every request's whole length, plus one)."""
     from vattn.adapters.vllm.gpu_runtime import GpuRuntime
     from vattn.core import KVCacheConfig
     cuda = torch.device(device).type == "cuda"
@@ -60,14 +69,14 @@ def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = Fa
     block = 128
     context = -(-max_len // block) * block
     pages_per_set = 32 // 4
+    blocks = batch * context // block + 1 if blocks is None else blocks
     cfg = KVCacheConfig(num_layers=32, num_kv_heads=heads, head_dim=dim, dtype=dtype, max_slots=batch,
-                        max_context=context, group_size=4, page_budget=(batch * context // block + 1)
-                        * pages_per_set * page, page_bytes=page, device=device, map_ahead_tokens=0)
+                        max_context=context, group_size=4, page_budget=blocks * pages_per_set * page, page_bytes=page, device=device, map_ahead_tokens=0)
     check_fits(f"{batch} requests of {max_len} tokens", cfg.page_budget, device,
                hint="lower --batch, --prompt or --new")
     names = [f"model.layers.{i}.self_attn.attn" for i in range(32)]
     return GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max(batch, 8192),
-                      prefix_caching=prefix_caching)
+                      prefix_caching=prefix_caching, driver=driver)
 
 
 def generation(rt, *, batch: int, prompt: int, new: int) -> dict:
@@ -145,18 +154,35 @@ def run_prefix(args) -> int:
     generation the host time and the VMM calls vattn made (the first generation fills the cache,
     the later ones hit it)."""
     from .host_prefix import COUNTED, next_turn, prefix_generation, prompts_for
+    from .host_sched import SCHED_COUNTED, scheduled_generation
     from .prefix_pool import PrefixBlockPool
     if args.workload == "shared-prefix" and args.shared >= args.prompt:
         raise ConfigError(f"--shared must be below --prompt ({args.prompt}), got {args.shared}")
+    if args.pool_fraction > 1:
+        raise ConfigError(f"--pool-fraction must be in (0, 1], got {args.pool_fraction}")
+    scheduled = args.pool_fraction < 1 or args.fence_lag > 0
+    if scheduled and args.workload == "multi-turn":
+        raise ConfigError("--pool-fraction / --fence-lag run decode-heavy or shared-prefix, not multi-turn")
     turns = args.generations + 1
     longest = args.prompt + args.new + ((turns - 1) * (args.new + args.user) if args.workload == "multi-turn" else 0)
-    rt = _runtime(args.device, args.batch, longest, prefix_caching=True)
+    fences = None
+    if scheduled:
+        from vattn.core.driver import get_driver
+        from vattn.core.driver.lag import LaggingFences
+        host_page = None if torch.device(args.device).type == "cuda" else 32 << 10   # _runtime's page
+        fences = LaggingFences(get_driver(args.device, granularity=host_page), lag=args.fence_lag)
+    whole = args.batch * -(-longest // 128) + 1
+    blocks = max(-(-longest // 128) + 2, int(whole * args.pool_fraction))
+    rt = _runtime(args.device, args.batch, longest, prefix_caching=True, blocks=blocks, driver=fences)
     try:
-        pool = PrefixBlockPool(rt.cache.config.page_budget // (rt.cache.layout.num_ranges
-                                                                * rt.cache.layout.page_bytes), rt.block_size)
+        pool = PrefixBlockPool(blocks, rt.block_size)
         prompts = prompts_for(args.workload, batch=args.batch, prompt=args.prompt, shared=args.shared)
         runs = []
         for turn in tqdm(range(turns), desc="generations", leave=False):
+            if scheduled:
+                runs.append(scheduled_generation(rt, pool, prompts, args.new, max_running=args.batch,
+                                                 fences=fences))
+                continue
             runs.append(prefix_generation(rt, pool, prompts, args.new))
             tokens = runs[-1].pop("tokens")
             if args.workload == "multi-turn":
@@ -164,23 +190,30 @@ def run_prefix(args) -> int:
         rt.cache.audit()
     finally:
         rt.close()
-    rows = ["| generation | on_blocks ms | apply ms | release ms | " + " | ".join(COUNTED) + " |",
-            "|---" * (4 + len(COUNTED)) + "|"]
+    counted = SCHED_COUNTED if scheduled else COUNTED
+    rows = ["| generation | on_blocks ms | apply ms | release ms | " + " | ".join(counted) + " |",
+            "|---" * (4 + len(counted)) + "|"]
     for n, r in enumerate(runs, start=1):
         rows.append(f"| {n} | {r['on_blocks'] * 1e3:.1f} | {r['apply'] * 1e3:.1f} | {r['release'] * 1e3:.1f} | "
-                    + " | ".join(str(r["calls"][k]) for k in COUNTED) + " |")
+                    + " | ".join(str(r["calls"][k]) for k in counted) + " |")
     md = (f"vattn's host work per generation with vLLM's prefix caching on ({args.workload}, {args.batch} "
           f"requests, {args.prompt} in" + (f" of which {args.shared} shared" if args.workload == "shared-prefix"
                                           else "") + f" / {args.new} out, the same prompts each "
-          f"generation, {args.device} backend; over the run the block pool handed out "
+          f"generation, {args.device} backend"
+          + (f"; a pool of {blocks} blocks ({args.pool_fraction:g} of the {whole} the whole run would "
+             f"hold: vLLM-like scheduling with preemption), the device {args.fence_lag} step(s) behind "
+             "the host" if scheduled else "")
+          + "; over the run the block pool handed out "
           f"{pool.new_blocks + pool.hit_blocks} blocks, {pool.hit_blocks} of them hits):\n\n" + "\n".join(rows) + "\n")
     print(md)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: getattr(args, k) for k in ("device", "batch", "prompt", "new", "workload",
-                                                               "shared", "generations")},
+                                                               "shared", "generations", "pool_fraction",
+                                                               "fence_lag")},
                        "generations": runs}, f, indent=1)
     if not args.no_report:
-        write_section(f"host work with prefix caching, {args.workload} ({args.device})", md, command_line(),
+        pressure = f", pool {args.pool_fraction:g}, device lag {args.fence_lag}" if scheduled else ""
+        write_section(f"host work with prefix caching, {args.workload}{pressure} ({args.device})", md, command_line(),
                       path=args.benchmarks)
     return 0

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib.util
 import json
 import os
@@ -240,6 +241,8 @@ def _one_run(args, model: str, workload: Workload, device: str, rnd: int, mode: 
     row = {"engine": args.engine, "model": model, "dataset": workload.dataset, "round": rnd,
            "mode": mode, "server_argv": spec.argv,
            "server_env": {k: v for k, v in spec.env.items() if v is not None}}
+    if mode != "stock":          # vattn's counters, written by the engine's worker (one file per rank)
+        spec.env["VATTN_METRICS"] = os.path.join(os.path.abspath(run_dir), "vattn_metrics_{pid}.json")
     client_env = None
     if args.engine == "sglang":      # its prompt cache is keyed by tokenizer class only
         client_env = {"HOME": os.path.abspath(os.path.join(args.out, "client_home",
@@ -253,11 +256,25 @@ def _one_run(args, model: str, workload: Workload, device: str, rnd: int, mode: 
                        timeout_s=args.client_timeout, env=client_env)
         row.update(parse_result(args.engine, read_result(args.engine, result),
                                 expected=workload.num_prompts))
+        if mode != "stock":
+            row["vattn"] = vattn_counters(run_dir, args.engine)
     except (ClientError, ConfigError, UnsupportedError) as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"
     except Exception as exc:      # ServerError and the like: keep the other runs going
         row["error"] = f"{type(exc).__name__}: {exc}"
     return row
+
+
+def vattn_counters(run_dir: str, engine: str) -> dict:
+    """The vattn columns (host time on the step's path, page events, fence waits) of the last
+    snapshot the server's worker wrote into ``run_dir`` (``vattn_metrics_error`` if none)."""
+    from vattn.bench.gpu.report import vattn_columns
+    from vattn.core.snapshots import read_snapshot
+    files = sorted(glob.glob(os.path.join(run_dir, "vattn_metrics_*.json")))
+    snaps = [s for s in map(read_snapshot, files) if s]
+    if not snaps:
+        return {"vattn_metrics_error": "the server wrote no vattn snapshot (VATTN_METRICS not honoured?)"}
+    return vattn_columns(max(snaps, key=lambda s: s.get("time", 0)), engine)
 
 
 def run(args: argparse.Namespace) -> int:

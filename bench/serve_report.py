@@ -90,9 +90,39 @@ def markdown(rows: list[dict], *, title: str = "vattn bench serve", notes: list[
         start = r.get("server_start_s")
         lines.append(f"| {i} | {r['round']} | {r['mode']} | {'–' if start is None else f'{start:.0f}'} "
                      f"| {status} |")
+    lines += _vattn_table(rows)
     if notes:
         lines += [""] + [f"- {note}" for note in notes]
     return "\n".join(lines) + "\n"
+
+
+#: (key in a row's ``vattn_critical_path``, label) of the per-run vattn table
+VATTN_COLUMNS = (("step_mean_us", "µs per step call (mean)"), ("step_p99_us", "p99"),
+                 ("fence_waits", "fence waits"), ("map_calls", "map calls"),
+                 ("unmap_calls", "unmap calls"), ("page_sets_moved", "page-sets moved"),
+                 ("prefix_hits", "prefix hits"), ("device_reads", "device reads"))
+
+
+def _vattn_table(rows: list[dict]) -> list[str]:
+    """vattn's own counters per vattn run (from the server's ``VATTN_METRICS`` snapshot)."""
+    runs = [r for r in rows if r.get("vattn")]
+    if not runs:
+        return []
+    lines = ["", "vattn's counters per run (its server's last metrics snapshot; the step call is "
+             "vLLM's `apply` / SGLang's `alloc_decode`):", "",
+             "| round | host ms on the step path | " + " | ".join(label for _, label in VATTN_COLUMNS) + " |",
+             "|---" * (2 + len(VATTN_COLUMNS)) + "|"]
+    for r in runs:
+        v = r["vattn"]
+        if "vattn_metrics_error" in v:
+            lines.append(f"| {r['round']} | {v['vattn_metrics_error']} |" + " |" * len(VATTN_COLUMNS))
+            continue
+        path = v.get("vmm_critical_path") or {}
+        host = ", ".join(f"{k} {ms:g}" for k, ms in (path.get("host_ms") or {}).items()) or "–"
+        lines.append(f"| {r['round']} | {host} | "
+                     + " | ".join(_num(path.get(key)) if isinstance(path.get(key), (int, float)) else "–"
+                                  for key, _ in VATTN_COLUMNS) + " |")
+    return lines
 
 
 def plot(rows: list[dict], path: str, *, title: str = "vattn bench serve") -> str | None:

@@ -77,6 +77,7 @@ def critical_path_summary(m: dict, engine: str) -> dict:
         return round((h or {}).get("mean_us", 0) * (h or {}).get("count", 0) / 1e3, 2)
     return {"host_ms": {name: total_ms(m.get(key)) for name, key in HOST_CALLS[engine].items()},
             "inner_ms": {name: total_ms(m.get(key)) for name, key in _INNER_CALLS[engine].items()},
+            "step_mean_us": (m.get(_STEP_CALL[engine]) or {}).get("mean_us"),
             "step_p99_us": (m.get(_STEP_CALL[engine]) or {}).get("p99_us"),
             "pages_prewarmed": m.get("prewarmed_pages"), "pool_init_s": m.get("init_s"),
             **{key: m.get(key) for key in _COUNTERS}}

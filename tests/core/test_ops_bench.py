@@ -27,6 +27,16 @@ def test_bench_attention_tiny(tmp_path):
     assert "| decode | yi-6b | 3 | 33 |" in (tmp_path / "attention.md").read_text()
 
 
+def test_bench_attention_has_the_head_dim_64_shape_outside_the_default_grid(tmp_path):
+    assert attention.MODEL_SHAPES["llama-1b"] == (32, 8, 64)
+    assert "llama-1b" not in _args(attention, []).models
+    args = _args(attention, ["--models", "llama-1b", "--contexts", "33", "--batches", "2", "--ops", "decode",
+                             "--dtype", "fp32", "--device", "cpu", "--no-report", "--out", str(tmp_path)])
+    assert attention.run(args) == 0
+    rows = json.loads((tmp_path / "attention.json").read_text())["results"]
+    assert [(r["op"], r["model"], r["batch"]) for r in rows] == [("decode", "llama-1b", 2)]
+
+
 def test_bench_layout_tiny(tmp_path):
     pytest.importorskip("vattn.core.cache")
     args = _args(layout, ["--model-shape", "2,4,2,16", "--groups", "1,2,all", "--decode-cases",

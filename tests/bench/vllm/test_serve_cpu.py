@@ -29,11 +29,15 @@ def test_serve_stock_and_vattn(tiny_model, tmp_path, capsys):
         assert row["output_throughput"] > 0
         assert row["server_argv"].count("--no-enable-prefix-caching") == 1
     assert rows[1]["server_env"]["VATTN_VLLM"] == "1" and "VATTN_VLLM" not in rows[0]["server_env"]
+    # the vattn server's worker wrote its counters (VATTN_METRICS), the stock server none
+    assert "vmm_critical_path" in rows[1]["vattn"], rows[1]["vattn"]
+    assert "vattn" not in rows[0]
     assert code == 0
     table = (out / "report.md").read_text()
     line = next(l for l in table.splitlines() if l.startswith("| completed"))
     assert line.startswith("| completed ↑ | 6 (6–6) | 6 (6–6) | r1: 1.000 |"), line
     assert "| failed ↓ | 0 (0–0) | 0 (0–0) |" in table and "| requests/s" in printed
+    assert "vattn's counters per run" in table
 
 
 def test_vattn_server_runs_the_plugin(tiny_model, tmp_path, monkeypatch):
