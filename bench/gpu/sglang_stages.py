@@ -47,7 +47,7 @@ __all__ = ["STAGES", "identity", "throughput", "main"]
 
 IDENTITY_MODEL = IDENTITY_MODELS["sglang"]
 #: the throughput stages, named after their workloads
-THROUGHPUT = ("decode-heavy", "prefill-heavy", "long-context", "shared-prefix")
+THROUGHPUT = ("decode-heavy", "prefill-heavy", "long-context", "shared-prefix", "decode-light")
 
 
 def _runner(out: str, modes, generations: int = 1, **engine_args) -> SglangRunner:

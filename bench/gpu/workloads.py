@@ -14,7 +14,9 @@ __all__ = ["WORKLOADS", "SHARED_PREFIX", "MULTI_TURN_USER", "LLAMA3_8B_LONG", "S
 #: (``max_num_seqs`` = the number of prompts where a stage sizes the engine)
 WORKLOADS = {"decode-heavy": (256, 512, 512), "prefill-heavy": (32, 16384, 64),
              "long-context": (8, 65536, 64), "shared-prefix": (128, 4096 + 256, 128),
-             "multi-turn": (128, 1024, 256)}
+             "multi-turn": (128, 1024, 256), "decode-light": (64, 1024, 256)}
+#: ``decode-light``: the batch a server at moderate load decodes (about 55 requests ran at once in
+#: the H100 `vllm serve` run at 40 req/s, 1,024 in / 256 out), where host time per step weighs most
 #: ``shared-prefix``: every prompt is one 4,096-token system prompt + 256 tokens of its own
 SHARED_PREFIX = 4096
 #: ``multi-turn``: each round is the next turn of 128 conversations (vLLM's paired stage): the

@@ -10,6 +10,7 @@
 #   decode-heavy   Llama-3-8B shape, load_format dummy, 256 x 512 in / 512 out
 #   prefill-heavy  Llama-3-8B shape, load_format dummy, 32 x 16K in / 64 out
 #   long-context   8 x 64K in / 64 out;  shared-prefix  128 x (4,096 shared + 256 own) / 128
+#   decode-light   64 x 1,024 in / 256 out (a server's batch at moderate load)
 #   (VATTN_SHAPE=llama-1b-shape: the 1B-class shape for every throughput stage)
 # Default: "identity decode-heavy prefill-heavy". Every stage runs under `timeout` and is skipped
 # (and says so) when less than its minimum is left of VATTN_BUDGET_S (default 530 s, < 9 min).
@@ -58,8 +59,8 @@ for stage in ${VATTN_STAGES:-identity decode-heavy prefill-heavy}; do
     kernels) run_stage kernels 20 120 python3 -m pytest -q -m gpu -k sgl_fa3 -p no:cacheprovider \
                tests/core/test_ops_decode.py tests/core/test_ops_prefill.py ;;
     identity) run_stage identity 200 300 $G identity --out "$R" ;;
-    decode-heavy|prefill-heavy|long-context|shared-prefix) run_stage "$stage" 150 "${VATTN_STAGE_MAX_S:-260}" $G "$stage" --out "$R" ;;
-    *) echo "== unknown stage $stage (tests | kernels | identity | decode-heavy | prefill-heavy | long-context | shared-prefix)" | tee -a "$SUM" ;;
+    decode-heavy|prefill-heavy|long-context|shared-prefix|decode-light) run_stage "$stage" 150 "${VATTN_STAGE_MAX_S:-260}" $G "$stage" --out "$R" ;;
+    *) echo "== unknown stage $stage (tests | kernels | identity | decode-heavy | prefill-heavy | long-context | shared-prefix | decode-light)" | tee -a "$SUM" ;;
   esac
 done
 echo "== total $(( $(date +%s) - START )) s" | tee -a "$SUM"

@@ -11,7 +11,8 @@
 #                    engines up at once, generations alternated, VATTN_PAIR="stock vattn",
 #                    VATTN_ROUNDS=4, VATTN_PAIR_MEM=0.44; "host": `vattn bench host --device cuda`,
 #                    the package linked as the other stages have it)
-#   VATTN_WORKLOADS  throughput workloads (default "decode-heavy"; also "prefill-heavy long-context")
+#   VATTN_WORKLOADS  throughput workloads (default "decode-heavy"; also "prefill-heavy long-context
+#                    shared-prefix multi-turn decode-light", bench/gpu/workloads.py)
 #   VATTN_BUDGET_S   wall budget of the script (default 530 s): a stage is skipped, and says so,
 #                    when less than its minimum time is left; VATTN_STAGE_MAX_S caps one
 #                    throughput workload (default 480 s; long-context with three modes took 338 s

@@ -18,7 +18,9 @@ def _prompts(name, vocab_size, *, seed):
 def test_waste_per_request_columns():
     from vattn.bench.gpu.report import waste_per_request
     from vattn.bench.gpu.workloads import WORKLOADS
-    assert set(WORKLOADS) == {"decode-heavy", "prefill-heavy", "long-context", "shared-prefix", "multi-turn"}
+    assert set(WORKLOADS) == {"decode-heavy", "prefill-heavy", "long-context", "shared-prefix", "multi-turn",
+                              "decode-light"}
+    assert WORKLOADS["decode-light"] == (64, 1024, 256)
     assert WORKLOADS["shared-prefix"] == (128, 4096 + 256, 128)
     assert WORKLOADS["decode-heavy"] == (256, 512, 512)
     assert waste_per_request("stock", max_model_len=1024, shortest=513, metrics=None) == 15 * 128 * 1024
