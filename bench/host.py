@@ -50,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --prefix-caching: the KV pool as a share of what every request's "
                              "whole length needs; below 1, requests wait and are preempted as in "
                              "vLLM's scheduler (memory pressure)")
+    parser.add_argument("--max-num-seqs", type=argtypes.positive_int, default=None,
+                        help="with --pool-fraction / --fence-lag: requests running at once (vLLM's "
+                             "max_num_seqs, the slots; default: --batch); fewer than --batch run in waves")
+    parser.add_argument("--max-model-len", type=argtypes.positive_int, default=None,
+                        help="with --prefix-caching: tokens each request's region can hold (vLLM's "
+                             "max_model_len; default: the longest request of the run). Larger "
+                             "regions leave room above each request to park moved blocks")
     parser.add_argument("--fence-lag", type=argtypes.non_negative_int, default=0,
                         help="with --prefix-caching: engine steps the device trails the host (1: "
                              "vLLM's async scheduling); counts the fences the host had to wait for")
@@ -173,14 +180,21 @@ def run_prefix(args) -> int:
         fences = LaggingFences(get_driver(args.device, granularity=host_page), lag=args.fence_lag)
     whole = args.batch * -(-longest // 128) + 1
     blocks = max(-(-longest // 128) + 2, int(whole * args.pool_fraction))
-    rt = _runtime(args.device, args.batch, longest, prefix_caching=True, blocks=blocks, driver=fences)
+    if args.max_model_len is not None and args.max_model_len < longest:
+        raise ConfigError(f"--max-model-len must hold the longest request ({longest} tokens), "
+                          f"got {args.max_model_len}")
+    seqs = args.max_num_seqs or args.batch
+    if args.max_num_seqs is not None and not scheduled:
+        raise ConfigError("--max-num-seqs needs the scheduler: give --pool-fraction below 1 or --fence-lag")
+    rt = _runtime(args.device, seqs, args.max_model_len or longest, prefix_caching=True,
+                  blocks=blocks, driver=fences)
     try:
         pool = PrefixBlockPool(blocks, rt.block_size)
         prompts = prompts_for(args.workload, batch=args.batch, prompt=args.prompt, shared=args.shared)
         runs = []
         for turn in tqdm(range(turns), desc="generations", leave=False):
             if scheduled:
-                runs.append(scheduled_generation(rt, pool, prompts, args.new, max_running=args.batch,
+                runs.append(scheduled_generation(rt, pool, prompts, args.new, max_running=seqs,
                                                  fences=fences))
                 continue
             runs.append(prefix_generation(rt, pool, prompts, args.new))
@@ -210,10 +224,12 @@ def run_prefix(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"args": {k: getattr(args, k) for k in ("device", "batch", "prompt", "new", "workload",
                                                                "shared", "generations", "pool_fraction",
-                                                               "fence_lag")},
+                                                               "fence_lag", "max_model_len", "max_num_seqs")},
                        "generations": runs}, f, indent=1)
     if not args.no_report:
-        pressure = f", pool {args.pool_fraction:g}, device lag {args.fence_lag}" if scheduled else ""
+        pressure = (f", pool {args.pool_fraction:g}, device lag {args.fence_lag}"
+                    + (f", max_num_seqs {args.max_num_seqs}" if args.max_num_seqs else "")
+                    + (f", max_model_len {args.max_model_len}" if args.max_model_len else "")) if scheduled else ""
         write_section(f"host work with prefix caching, {args.workload}{pressure} ({args.device})", md, command_line(),
                       path=args.benchmarks)
     return 0
