@@ -71,22 +71,18 @@ def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], ne
                 free_idx.append(req.index)
                 continue
             if len(req.tokens) > len(req.blocks) * bs:
-                while not pool.free and running[-1] is not req:
-                    victim = running.pop()             # vLLM preempts the request admitted last
+                while not pool.free:                   # vLLM preempts the request admitted last
+                    victim = running[-1]               # (at worst this one itself)
+                    running.pop()
                     pool.finish(victim.blocks)
                     left.append(victim.index)
                     free_idx.append(victim.index)
                     victim.blocks, victim.index = [], None
                     waiting.appendleft(victim)
                     preemptions += 1
-                if not pool.free:                      # it is the last one: preempt itself
-                    running.remove(req)
-                    pool.finish(req.blocks)
-                    left.append(req.index)
-                    free_idx.append(req.index)
-                    req.blocks, req.index = [], None
-                    waiting.appendleft(req)
-                    preemptions += 1
+                    if victim is req:
+                        break
+                if req.index is None:                  # preempted itself
                     continue
                 req.blocks.append(pool.grow())
                 grown.append(req)
