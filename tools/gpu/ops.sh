@@ -65,8 +65,11 @@ bench() {  # bench NAME ARGS... : run vattn bench NAME with a time limit, log to
 if has attention; then
   echo "== bench attention (G=$GROUP)"
   # --budget-s: no new shape after ATT_BUDGET s, so the report is still written inside the limit
-  bench attention $(( ${ATT_BUDGET:-300} + 90 )) --models llama3-8b,yi-6b,yi-34b \
-    --contexts 1024,8192,32768,131072 --batches 1,16,64,256 --prefill-contexts 8192,16384,32768 \
+  # ATT_MODELS / ATT_CONTEXTS / ATT_BATCHES / ATT_PREFILL narrow the grid, e.g. the head_dim-64
+  # shape at a server's batch: ATT_MODELS=llama-1b ATT_CONTEXTS=1024,2048 ATT_BATCHES=16,64
+  bench attention $(( ${ATT_BUDGET:-300} + 90 )) --models "${ATT_MODELS:-llama3-8b,yi-6b,yi-34b}" \
+    --contexts "${ATT_CONTEXTS:-1024,8192,32768,131072}" --batches "${ATT_BATCHES:-1,16,64,256}" \
+    --prefill-contexts "${ATT_PREFILL:-8192,16384,32768}" \
     --group-size "$GROUP" --budget-s "${ATT_BUDGET:-300}" > "$R/attention.txt"
   tail -60 "$R/attention.txt"; pack
 fi
