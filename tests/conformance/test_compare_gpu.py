@@ -132,7 +132,7 @@ def test_help_documents_the_gpu_setup(capsys):
     (["--shape", "llama-1b-shape", "--workload", "decode-heavy"], "expected no --workload with it"),
     (["--shape", "llama-1b-shape", "--workloads", "identity"],
      "ConfigError: --workloads with --shape: expected names from decode-heavy, prefill-heavy, long-context, "
-     "shared-prefix, got ['identity']"),
+     "shared-prefix, decode-light, got ['identity']"),
     (["--workloads", "long-context"], "ConfigError: --workloads without --shape: expected names from identity"),
     (["--workloads", "multi-turn"], "argument --workloads: expected a comma-separated list of"),
     (["--workloads", "decode-heavy", "--workload", "decode-heavy"], "--workloads and --workload name the same"),
