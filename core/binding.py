@@ -3,13 +3,10 @@
 
 A hit maps the page-set a key names into a slot (or finds it there already); a fresh key is
 bound to the page-set at its position, after moving another key's block out of the way (one
-device copy into a loose page-set; when none is loose, into free pool pages mapped on top of a
-slot, where nothing reads) or, when neither exists, mapping new pages there.
+device copy into a loose page-set) or mapping new pages there.
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 from .errors import SlotError
 from .growth import Growth
@@ -149,29 +146,6 @@ class Binding:
             pages.scrub_pages(slot, rng, (index,), st.slots.tenant[slot])
         return cur
 
-    def _spare_place(self, avoid: int) -> tuple[int, int] | None:
-        """A loose page-set made of free pool pages, mapped on top of a slot (idle ones first,
-        the one released longest ago; else an active one, above everything its request reads):
-        one map per range, no unmap and no fence, since nothing reads above a slot's top.
-        ``None`` when the pool is short of a page-set or no slot has room."""
-        st = self.state
-        if st.pool.num_free < st.layout.num_ranges:
-            return None
-        table, pages, n = st.slots, st.pages, st.config.max_slots
-        room = pages.usable_n[:n] < st.layout.pages_per_slot
-        room[avoid] = False
-        if table.inflight:
-            room[[s for s in table.inflight if s < n]] = False
-        cands = np.flatnonzero(room)
-        if not cands.size:
-            return None
-        order = np.lexsort((table.released_at[cands], table.active[cands]))
-        spare = int(cands[order[0]])
-        index = pages.usable(spare)
-        if not pages.grow(spare, index + 1, table.tenant[spare], ahead=False):
-            return None
-        return spare, index
-
     def _move_out(self, slot: int, index: int, cur: tuple[int, ...], end: int) -> bool:
         """Move the cached block in page-set ``cur`` (at ``index`` of ``slot``) into a loose
         page-set mapped in an idle slot, so this position keeps its pages for a new block: one
@@ -186,8 +160,6 @@ class Binding:
         if key is None or st.keys.get(key) != cur:    # not one whole bound page-set: leave it
             return False
         dst = self.loose.take(avoid=(slot, end))
-        if dst is None:
-            dst = self._spare_place(slot)
         if dst is None:
             return False
         self.space.copy_set((slot, index), dst)
