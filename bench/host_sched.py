@@ -33,31 +33,26 @@ class _Req:
 
 
 def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], new: int, *,
-                         max_running: int, fences=None, arrive_every: int = 0) -> dict:
+                         max_running: int, fences=None) -> dict:
     """One generation of ``prompts`` (``new`` tokens each) through the scheduler; ``{name: host
     seconds}`` of vattn's calls, ``calls`` (VMM calls, fence waits, steps, preemptions).
 
     ``max_running``: vLLM's ``max_num_seqs`` (request indices ``0 .. max_running - 1``);
     ``fences``: the :class:`~vattn.core.driver.lag.LaggingFences` under ``rt`` (ticked once per
-    step), if any; ``arrive_every``: a new request every that many steps (0: all at once)."""
+    step), if any. Every prompt arrives at once and waits for a slot and for blocks."""
     before = rt.cache.metrics()
     waits0 = fences.waits if fences is not None else 0
     spent = {"on_blocks": 0.0, "apply": 0.0, "release": 0.0}
     bs = rt.block_size
-    pending = deque(_Req(i, list(p), len(p) + new) for i, p in enumerate(prompts))
-    waiting: deque[_Req] = deque()
+    waiting = deque(_Req(i, list(p), len(p) + new) for i, p in enumerate(prompts))
     running: list[_Req] = []
     free_idx = list(range(max_running - 1, -1, -1))
     steps = preemptions = 0
     limit = 50 * (new + len(prompts)) + 1000
-    while pending or waiting or running:
+    while waiting or running:
         if steps > limit:
             raise RuntimeError(f"the scheduler made no progress in {limit} steps (pool of {len(pool.free)} "
                                f"free blocks, {len(waiting)} waiting, {len(running)} running)")
-        if pending and (not arrive_every or steps % arrive_every == 0):
-            waiting.extend([pending.popleft()] if arrive_every else pending)
-            if not arrive_every:
-                pending.clear()
         left, grown, admitted = [], [], []
         for req in list(running):                      # decode: one token each
             if req not in running:                     # preempted below by an earlier request

@@ -85,8 +85,7 @@ def test_prefix_caching_multi_turn_hits_the_whole_conversation_in_place(tmp_path
 
 def _sched(tmp_path, *extra):
     out = tmp_path / "sched.json"
-    batch = [] if "--batch" in extra else ["--batch", "8"]
-    assert main(["bench", "host", "--device", "cpu", "--prefix-caching", *batch, "--prompt", "300",
+    assert main(["bench", "host", "--device", "cpu", "--prefix-caching", "--batch", "8", "--prompt", "300",
                  "--new", "300", "--generations", "1", "--json", str(out), "--no-report", *extra]) == 0
     return [g["calls"] for g in json.loads(out.read_text())["generations"]]
 
