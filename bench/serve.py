@@ -95,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-s", type=argtypes.positive_float, default=None,
                         help="wall budget: a round that would not fit (estimated from the runs "
                              "so far) is skipped, and the report says so")
+    parser.add_argument("--profile-steps", type=argtypes.non_negative_int, default=0,
+                        help="vLLM: profile this many engine steps of every run with vLLM's torch "
+                             "profiler (the client's --profile), after --profile-delay steps; the "
+                             "report gets GPU time per kernel family, GPU busy and idle time and "
+                             "host synchronizations per run (0: no profiling)")
+    parser.add_argument("--profile-delay", type=argtypes.non_negative_int, default=200,
+                        help="engine steps after the client's start before the profiled window")
 
 
 def order(rounds: int, modes=MODES) -> list[tuple[int, str]]:
@@ -238,6 +245,11 @@ def _one_run(args, model: str, workload: Workload, device: str, rnd: int, mode: 
         os.remove(result)
     client = client_command(args.engine, workload, model_dir=model, host=host, port=port,
                             result_path=result)
+    profile_dir = None
+    if getattr(args, "profile_steps", 0):
+        profile_dir = os.path.join(os.path.abspath(run_dir), "profile")
+        spec.argv += profile_flags(profile_dir, steps=args.profile_steps, delay=args.profile_delay)
+        client.append("--profile")
     row = {"engine": args.engine, "model": model, "dataset": workload.dataset, "round": rnd,
            "mode": mode, "server_argv": spec.argv,
            "server_env": {k: v for k, v in spec.env.items() if v is not None}}
@@ -261,11 +273,45 @@ def _one_run(args, model: str, workload: Workload, device: str, rnd: int, mode: 
                                 expected=workload.num_prompts))
         if mode != "stock":
             row["vattn"] = vattn_counters(run_dir, args.engine)
+        if profile_dir is not None:
+            row["profile"] = profile_summary(profile_dir)
     except (ClientError, ConfigError, UnsupportedError) as exc:
         row["error"] = f"{type(exc).__name__}: {exc}"
     except Exception as exc:      # ServerError and the like: keep the other runs going
         row["error"] = f"{type(exc).__name__}: {exc}"
     return row
+
+
+def profile_flags(folder: str, *, steps: int, delay: int) -> list[str]:
+    """vLLM server flags: its torch profiler writing into ``folder``, ``steps`` engine steps
+    after ``delay`` steps from the client's ``/start_profile`` (worker only, no Python stacks)."""
+    os.makedirs(folder, exist_ok=True)
+    config = {"profiler": "torch", "torch_profiler_dir": folder, "ignore_frontend": True,
+              "torch_profiler_with_stack": False, "delay_iterations": delay,
+              "max_iterations": steps}
+    return ["--profiler-config", json.dumps(config)]
+
+
+def profile_summary(folder: str) -> dict:
+    """A profiled run's kernel families (``profiler_out_0.txt``) and trace window numbers
+    (:func:`vattn.bench.trace.trace_summary`); ``profile_error`` says what is missing."""
+    from vattn.bench.gpu.report import kernel_summary, parse_profiler_table
+    from vattn.bench.trace import find_trace, trace_summary
+    out: dict = {}
+    try:
+        trace = find_trace(folder)
+        if trace is None:
+            raise ConfigError(f"no trace file in {folder} (did the server get --profiler-config "
+                              f"and the client call /start_profile?)")
+        out["trace"] = trace_summary(trace)
+    except ConfigError as exc:
+        return {"profile_error": f"{type(exc).__name__}: {exc}"}
+    try:   # a CPU engine's table has no CUDA columns: no kernel families then
+        with open(os.path.join(folder, "profiler_out_0.txt")) as f:
+            out["kernels"] = kernel_summary(parse_profiler_table(f.read()))
+    except (OSError, ValueError) as exc:
+        out["kernels"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return out
 
 
 def vattn_counters(run_dir: str, engine: str) -> dict:
@@ -282,6 +328,9 @@ def vattn_counters(run_dir: str, engine: str) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``vattn bench serve``; 0 when every run completed requests and none failed."""
+    if getattr(args, "profile_steps", 0) and args.engine != "vllm":
+        raise ConfigError(f"--profile-steps: expected --engine vllm (its server's torch profiler), "
+                          f"got --engine {args.engine}")
     version = check_engine(args.engine, args.python)
     workload = _workload(args)
     os.makedirs(args.out, exist_ok=True)

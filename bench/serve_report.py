@@ -91,6 +91,7 @@ def markdown(rows: list[dict], *, title: str = "vattn bench serve", notes: list[
         lines.append(f"| {i} | {r['round']} | {r['mode']} | {'–' if start is None else f'{start:.0f}'} "
                      f"| {status} |")
     lines += _vattn_table(rows)
+    lines += _profile_table(rows)
     if notes:
         lines += [""] + [f"- {note}" for note in notes]
     return "\n".join(lines) + "\n"
@@ -122,6 +123,36 @@ def _vattn_table(rows: list[dict]) -> list[str]:
         lines.append(f"| {r['round']} | {host} | "
                      + " | ".join(_num(path.get(key)) if isinstance(path.get(key), (int, float)) else "–"
                                   for key, _ in VATTN_COLUMNS) + " |")
+    return lines
+
+
+#: kernel families of the profile table (:func:`vattn.bench.gpu.report.kernel_summary`)
+PROFILE_FAMILIES = ("attention", "gemm", "kv store", "slot tables", "other")
+
+
+def _profile_table(rows: list[dict]) -> list[str]:
+    """Per profiled run: the window's GPU time per kernel family, busy vs idle, host waits."""
+    runs = [r for r in rows if r.get("profile")]
+    if not runs:
+        return []
+    lines = ["", "Profiled window per run (vLLM's torch profiler, the same number of engine steps "
+             "in every run; ms summed over the window; idle = the share of the window the GPU ran "
+             "nothing: the host fed it late):", "",
+             "| round | mode | steps | window ms | GPU busy ms | idle | "
+             + " | ".join(f"{f} ms" for f in PROFILE_FAMILIES)
+             + " | host syncs (ms) | pinned allocs |", "|---" * (9 + len(PROFILE_FAMILIES)) + "|"]
+    for r in runs:
+        p = r["profile"]
+        if "profile_error" in p:
+            lines.append(f"| {r['round']} | {r['mode']} | {p['profile_error'][:160]} |"
+                         + " |" * (6 + len(PROFILE_FAMILIES)))
+            continue
+        t, fam = p["trace"], (p.get("kernels") or {}).get("families_us") or {}
+        cells = [f"{fam[f] / 1e3:.1f}" if f in fam else "–" for f in PROFILE_FAMILIES]
+        gpu = ("– | – | –" if t["window_ms"] is None else
+               f"{t['window_ms']:.1f} | {t['gpu_busy_ms']:.1f} | {t['gpu_idle_share']:.1%}")
+        lines.append(f"| {r['round']} | {r['mode']} | {t['steps']} | {gpu} | " + " | ".join(cells)
+                     + f" | {t['sync_calls']} ({t['sync_ms']:.1f}) | {t['host_alloc_calls']} |")
     return lines
 
 

@@ -20,6 +20,10 @@
 #                     about 20 s of arrivals each)
 #   VATTN_ROUNDS      rounds per shape (default 2)
 #   VATTN_SERVE_ARGS  extra server arguments for both modes (e.g. "--max-num-seqs 256")
+#   VATTN_PROFILE_STEPS  vLLM: profile that many engine steps of every run (`--profile-steps`;
+#                     default 0 = off), VATTN_PROFILE_DELAY steps after the client starts
+#                     (default 300); the report's profile table: GPU busy / idle, kernel families,
+#                     host syncs (the raw traces stay on the machine: only their numbers come back)
 #   VATTN_BUDGET_S    wall budget of the script (default 530 s, < 9 min): a shape is skipped when
 #                     less than 150 s are left, and `vattn bench serve --budget-s` skips the rounds
 #                     that would not fit (estimated from the slowest run so far); both say so.
@@ -39,7 +43,8 @@ export VATTN_MODELS=${VATTN_MODELS:-$W/models}   # config-only models (a few kB 
 
 pack() {
   local tmp=$W/pack.$BASHPID.tgz
-  tar -czf "$tmp" --exclude='serve/*/models' --exclude='serve/*/client_home' -C "$W" serve 2>/dev/null
+  tar -czf "$tmp" --exclude='serve/*/models' --exclude='serve/*/client_home' \
+    --exclude='*.pt.trace.json*' -C "$W" serve 2>/dev/null
   mv -f "$tmp" "$OUT/serve_results.tgz"
   cp "$SUM" "$OUT/serve_summary.txt.$BASHPID" && mv -f "$OUT/serve_summary.txt.$BASHPID" "$OUT/serve_summary.txt"
 }
@@ -72,6 +77,7 @@ for shape in ${VATTN_SHAPES:-llama-1b-shape llama3-8b-shape}; do
     --output-len "${VATTN_OUTPUT_LEN:-256}" "${PREFIX[@]}" --device cuda \
     --server-timeout 300 --client-timeout 300 --budget-s "$(( left > 30 ? left - 30 : 1 ))" \
     $([ "${VATTN_LIKE_FOR_LIKE:-0}" = 1 ] && echo --like-for-like) \
+    --profile-steps "${VATTN_PROFILE_STEPS:-0}" --profile-delay "${VATTN_PROFILE_DELAY:-300}" \
     --out "$R/$shape" -- ${VATTN_SERVE_ARGS:-}
 done
 echo "== total $(( $(date +%s) - START )) s" | tee -a "$SUM"

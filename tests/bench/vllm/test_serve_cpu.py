@@ -16,7 +16,8 @@ def test_serve_stock_and_vattn(tiny_model, tmp_path, capsys):
     code = main(["bench", "serve", "--engine", "vllm", "--model", tiny_model, "--device", "cpu",
                  "--rounds", "1", "--rate", "4", "--num-prompts", "6", "--input-len", "48",
                  "--output-len", "12", "--out", str(out), "--server-timeout", "300",
-                 "--client-timeout", "300", "--", "--no-enable-prefix-caching",
+                 "--client-timeout", "300", "--profile-steps", "2", "--profile-delay", "1",
+                 "--", "--no-enable-prefix-caching",
                  "--max-num-seqs", "4"])
     printed = capsys.readouterr().out
     report = json.loads((out / "rows.json").read_text())
@@ -32,12 +33,17 @@ def test_serve_stock_and_vattn(tiny_model, tmp_path, capsys):
     # the vattn server's worker wrote its counters (VATTN_METRICS), the stock server none
     assert "vmm_critical_path" in rows[1]["vattn"], rows[1]["vattn"]
     assert "vattn" not in rows[0]
+    # --profile-steps: each server profiled a window of its steps (vLLM's torch profiler, started
+    # by the client's --profile); a CPU engine's trace has steps but no GPU activity
+    for row in rows:
+        trace = row["profile"].get("trace")
+        assert trace and trace["steps"] >= 1 and trace["window_ms"] is None, row["profile"]
     assert code == 0
     table = (out / "report.md").read_text()
     line = next(l for l in table.splitlines() if l.startswith("| completed"))
     assert line.startswith("| completed ↑ | 6 (6–6) | 6 (6–6) | r1: 1.000 |"), line
     assert "| failed ↓ | 0 (0–0) | 0 (0–0) |" in table and "| requests/s" in printed
-    assert "vattn's counters per run" in table
+    assert "vattn's counters per run" in table and "Profiled window per run" in table
 
 
 def test_vattn_server_runs_the_plugin(tiny_model, tmp_path, monkeypatch):
