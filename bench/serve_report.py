@@ -153,6 +153,11 @@ def _profile_table(rows: list[dict]) -> list[str]:
                f"{t['window_ms']:.1f} | {t['gpu_busy_ms']:.1f} | {t['gpu_idle_share']:.1%}")
         lines.append(f"| {r['round']} | {r['mode']} | {t['steps']} | {gpu} | " + " | ".join(cells)
                      + f" | {t['sync_calls']} ({t['sync_ms']:.1f}) | {t['host_alloc_calls']} |")
+    for r in runs:
+        top = (r["profile"].get("trace") or {}).get("runtime_top")
+        if top:
+            lines.append(f"- round {r['round']} {r['mode']}, the host's longest CUDA calls in the "
+                         f"window: " + ", ".join(f"{n} ×{c} {ms:g} ms" for n, c, ms in top))
     return lines
 
 

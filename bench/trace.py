@@ -8,7 +8,8 @@ profiled window:
   memset intervals; ``gpu_idle_share`` = 1 - busy / window;
 * ``steps``: vLLM's step annotations (``execute_...`` CPU ranges) and their mean span;
 * ``sync_calls`` / ``sync_ms``: CUDA runtime calls that block the host (stream, event and device
-  synchronizations, synchronous memcpy), and ``host_alloc_calls`` (pinned allocations).
+  synchronizations, synchronous memcpy), ``host_alloc_calls`` (pinned allocations) and
+  ``runtime_top``: the CUDA runtime / driver calls that took the host longest.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ __all__ = ["trace_summary", "find_trace", "busy_union_us", "SYNC_CALLS"]
 
 #: CUDA runtime / driver calls that make the host wait for the device
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
-              "cudaMemcpy", "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize",
-              "cudaStreamWaitEvent")
+              "cudaMemcpy", "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
 _GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 _HOST_ALLOC = ("cudaHostAlloc", "cudaMallocHost", "cuMemHostAlloc", "cudaHostRegister")
 
@@ -77,6 +77,7 @@ def trace_summary(path: str) -> dict:
     """
     gpu, steps, syncs = [], [], []
     host_allocs = 0
+    runtime: dict[str, list[float]] = {}   # CUDA runtime / driver call -> [calls, us]
     for e in _load(path):
         if e.get("ph") != "X" or "dur" not in e:
             continue
@@ -87,6 +88,9 @@ def trace_summary(path: str) -> dict:
         elif cat == "user_annotation" and name.startswith("execute_"):
             steps.append(dur)
         elif cat in ("cuda_runtime", "cuda_driver"):
+            acc = runtime.setdefault(name, [0, 0.0])
+            acc[0] += 1
+            acc[1] += dur
             if _is_sync(name):
                 syncs.append(dur)
             elif name.startswith(_HOST_ALLOC):
@@ -102,4 +106,7 @@ def trace_summary(path: str) -> dict:
                "gpu_idle_share": 1 - busy / window if window > 0 else 0.0}
     return out | {"gpu_ops": len(gpu), "steps": len(steps),
             "step_span_ms_mean": sum(steps) / len(steps) / 1e3 if steps else None,
-            "sync_calls": len(syncs), "sync_ms": sum(syncs) / 1e3, "host_alloc_calls": host_allocs}
+            "sync_calls": len(syncs), "sync_ms": sum(syncs) / 1e3, "host_alloc_calls": host_allocs,
+            # the host's CUDA calls that took longest in the window: [name, calls, ms]
+            "runtime_top": [[name, int(n), round(us / 1e3, 3)] for name, (n, us) in
+                            sorted(runtime.items(), key=lambda kv: -kv[1][1])[:8]]}

@@ -203,6 +203,7 @@ class GpuRuntime:
             "apply_step_us": self.step_us.as_dict(), "on_blocks_us": self.blocks_us.as_dict(),
             "prewarmed_pages": self.prewarmed_pages, "init_s": self.init_s,
             "driver_retries": self._retry.retried,
+            "slot_upload_waits": self.tables.staging_waits,
             "slot_mapping": "triton" if self.tables.fused else f"torch ({self.tables.fused_error or 'not CUDA'})",
             "block_size": self.block_size, "rows_per_slot": self.rows_per_slot,
             "prefix_caching": self.sharing,

@@ -24,6 +24,8 @@ from vattn.core.errors import SlotError
 __all__ = ["SlotTables", "PAD_ROW"]
 
 PAD_ROW = -1   # vLLM's PAD_SLOT_ID: the store kernel skips these tokens
+#: host staging buffers of :meth:`SlotTables.upload` (uploads in flight at once)
+STAGING_RING = 4
 
 
 class SlotTables:
@@ -54,6 +56,16 @@ class SlotTables:
         self.slot_mapping = torch.full((1, max_num_tokens), PAD_ROW, dtype=torch.int64, device=device)
         self._token_ids = torch.arange(max_num_tokens, dtype=torch.int32, device=device)
         self._dirty = False
+        # host staging of the uploads: a ring of persistent (pinned, on CUDA) buffers, each
+        # reused once the copy that last read it has run (its event), so no step allocates
+        # pinned memory (``pin_memory()`` per upload showed as cudaHostAlloc calls in a serving
+        # window) and an in-flight copy never sees a later step's table
+        cuda = self.device.type == "cuda"
+        self._staging = [torch.empty(max_num_reqs, dtype=torch.int32, pin_memory=cuda)
+                         for _ in range(STAGING_RING)]
+        self._staged: list = [None] * STAGING_RING     # the CUDA event of each buffer's last copy
+        self._ring = 0
+        self.staging_waits = 0                          # uploads that waited for a buffer
         #: one Triton launch for the slot mapping (CUDA); the torch form elsewhere
         self.fused = self.device.type == "cuda"
         self.fused_error: str | None = None   # why the Triton kernel was given up, if it was
@@ -89,13 +101,23 @@ class SlotTables:
 
     def upload(self) -> None:
         """Copy the index -> slot table to the device if it changed (stream-ordered, async-safe:
-        the copy reads a private pinned snapshot, never the live host array)."""
+        the copy reads a staging buffer of the ring that no copy in flight reads, never the
+        live host array)."""
         if not self._dirty:
             return
-        snapshot = torch.from_numpy(self.slot_of_index.copy())
+        i = self._ring
+        self._ring = (i + 1) % STAGING_RING
+        event = self._staged[i]
+        if event is not None and not event.query():   # the device is STAGING_RING uploads behind
+            self.staging_waits += 1
+            event.synchronize()
+        buf = self._staging[i]
+        buf.numpy()[:] = self.slot_of_index
+        self._slot_dev.copy_(buf, non_blocking=True)
         if self.device.type == "cuda":
-            snapshot = snapshot.pin_memory()
-        self._slot_dev.copy_(snapshot, non_blocking=True)
+            if event is None:
+                event = self._staged[i] = torch.cuda.Event()
+            event.record()
         self._dirty = False
 
     # -- device side -------------------------------------------------------------------------

@@ -54,6 +54,9 @@ def test_trace_summary_splits_busy_idle_and_counts_host_waits(tmp_path):
     assert got["gpu_ops"] == 3 and got["steps"] == 2 and got["step_span_ms_mean"] == pytest.approx(0.5)
     assert got["sync_calls"] == 2 and got["sync_ms"] == pytest.approx(0.3)
     assert got["host_alloc_calls"] == 1
+    assert got["runtime_top"][0] == ["cudaStreamSynchronize", 1, 0.25]
+    assert [n for n, _, _ in got["runtime_top"]] == ["cudaStreamSynchronize", "cudaHostAlloc", "cudaMemcpy",
+                                                    "cudaMemcpyAsync", "cudaLaunchKernel"]
 
 
 def test_cpu_only_trace_has_steps_and_no_gpu_numbers(tmp_path):
@@ -97,7 +100,8 @@ def test_profile_flags_and_summary(tmp_path):
 
 def test_report_has_a_profile_row_per_profiled_run():
     trace = {"window_ms": 100.0, "gpu_busy_ms": 80.0, "gpu_idle_share": 0.2, "steps": 40,
-             "sync_calls": 3, "sync_ms": 1.5, "host_alloc_calls": 0}
+             "sync_calls": 3, "sync_ms": 1.5, "host_alloc_calls": 0,
+             "runtime_top": [["cudaLaunchKernel", 900, 4.5]]}
     rows = [{"round": 1, "mode": "stock", "profile": {"trace": trace, "kernels": {
                 "families_us": {"attention": 20000.0, "gemm": 50000.0}}}},
             {"round": 1, "mode": "vattn", "profile": {"profile_error": "ConfigError: no trace file"}},
@@ -107,6 +111,7 @@ def test_report_has_a_profile_row_per_profiled_run():
     assert "| 1 | stock | 40 | 100.0 | 80.0 | 20.0% | 20.0 | 50.0 | – | – | – | 3 (1.5) | 0 |" in lines
     assert any(line.startswith("| 1 | vattn | ConfigError: no trace file |") for line in lines)
     assert "| 2 | stock | 40 | – | – | – | – | – | – | – | – | 3 (1.5) | 0 |" in lines
+    assert "- round 1 stock, the host's longest CUDA calls in the window: cudaLaunchKernel ×900 4.5 ms" in lines
     assert serve_report._profile_table([{"round": 1, "mode": "stock"}]) == []
 
 

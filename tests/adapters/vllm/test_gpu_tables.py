@@ -117,6 +117,26 @@ def test_upload_only_when_changed_and_clear():
         t.assign(0, 11)
 
 
+def test_uploads_cycle_the_staging_ring_and_each_matches_its_step():
+    """Every upload lands the table as it was at that upload, through a ring of reused staging
+    buffers (more uploads than buffers), and later host changes never reach an earlier copy."""
+    from vattn.adapters.vllm.slot_tables import STAGING_RING
+    t = _tables(reqs=9)
+    rng = np.random.default_rng(3)
+    buffers = {b.data_ptr() for b in t._staging}
+    for step in range(3 * STAGING_RING + 1):
+        for index in rng.choice(9, size=3, replace=False):
+            t.assign(int(index), int(rng.integers(0, 11)))
+        t.clear(int(rng.integers(0, 9)))
+        expected = t.slot_of_index.copy()
+        t.upload()
+        assert t._slot_dev.tolist() == expected.tolist(), step
+        t.slot_of_index[:] = 7               # a host change after the upload reaches no copy
+        assert t._slot_dev.tolist() == expected.tolist()
+        t.slot_of_index[:] = expected
+    assert {b.data_ptr() for b in t._staging} == buffers and t.staging_waits == 0
+
+
 def _runtime(num_blocks=9, reqs=3, max_len=4000, exact=False, prefix_caching=False, driver=None):
     cfg = gl.cache_config(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32,
                           num_blocks=num_blocks, max_num_reqs=reqs, max_model_len=max_len, device="cpu",
