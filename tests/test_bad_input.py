@@ -154,13 +154,13 @@ def _sglang(**over) -> Callable[[], object]:
 
 
 def _sglang_rows(rows, seqs, prefixes=None) -> Callable[[], object]:
-    """``RequestSlots.prepare`` of a fresh table over a small host cache (16-token page-sets)."""
+    """``RowSlots.prepare`` of a fresh table over a small host cache (16-token page-sets)."""
     def call():
-        from vattn.adapters.sglang.requests import RequestSlots
+        from vattn.adapters.sglang.requests import RowSlots
         cache = VirtualKVCache(KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=32,
                                              dtype=torch.float32, max_slots=3, max_context=64,
                                              page_bytes=8192, page_budget=64 * 8192))
-        table = RequestSlots(cache, page_size=16)
+        table = RowSlots(cache, page_size=16)
         r2t = NS(req_to_token=torch.zeros(4, 64, dtype=torch.int32), alloc=lambda reqs: None,
                  free=lambda req: None, clear=lambda: None)
         r2t.req_to_token[1, :32] = torch.arange(16 * 9, 16 * 11, dtype=torch.int32)
@@ -503,13 +503,13 @@ CASES = [
          "SGLang page_size must be 1024 with vattn on CUDA", _sglang(device="cuda", page_size=16)),
     Case("sglang-page-size-host", "adapters.sglang.sizing.cache_config", "page_size=3 on the host",
          ConfigError, "not a multiple of 4096: use a multiple of", _sglang(page_size=3)),
-    Case("sglang-unaligned-new-prefix", "adapters.sglang.requests.RequestSlots.prepare",
+    Case("sglang-unaligned-new-prefix", "adapters.sglang.requests.RowSlots.prepare",
          "a new request row starting after 5 cached tokens (pages of 16)", SlotError,
          "not whole pages of 16", _sglang_rows([1], [40], [5])),
-    Case("sglang-decode-unknown-row", "adapters.sglang.requests.RequestSlots.prepare",
+    Case("sglang-decode-unknown-row", "adapters.sglang.requests.RowSlots.prepare",
          "a decode of a row that never had an extend", SlotError, "never had an extend forward",
          _sglang_rows([1], [41])),
-    Case("sglang-hit-unbound-page", "adapters.sglang.requests.RequestSlots.prepare",
+    Case("sglang-hit-unbound-page", "adapters.sglang.requests.RowSlots.prepare",
          "a new row whose 32-token prefix names pages no page-set holds", SlotError,
          "no page-set holds", _sglang_rows([1], [33], [32])),
     # -- the transformers and TGI adapters --------------------------------------------------------

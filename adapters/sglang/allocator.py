@@ -7,7 +7,7 @@ differs:
 
 * SGLang's page size is one vattn page-set, and ``num_pages`` is what the pool's page budget
   holds: ``available_size`` counts physical memory;
-* a page id returning to the free list goes through :meth:`RequestSlots.on_free_pages` (its key
+* a page id returning to the free list goes through :meth:`RowSlots.on_free_pages` (its key
   is forgotten; an id its writer still reads is held back until that request leaves). On the
   GPU the freed ids reach the host without waiting: SGLang frees while the next forward runs
   (its overlap scheduler), and a copy to the host there would wait for that forward. They are

@@ -1,6 +1,6 @@
 """``--attention-backend vattn``: SGLang attention over vattn's virtually contiguous KV.
 
-Before each forward the backend hands the batch to the pool's :class:`~.requests.RequestSlots`,
+Before each forward the backend hands the batch to the pool's :class:`~.requests.RowSlots`,
 which gives every request a vattn slot whose region holds, page-set by page-set, the pages SGLang
 allocated to it or matched in its radix tree (one host copy of the batch's request rows, plus a
 gather of the page ids that are new since the last forward). The slots are the one-entry page
@@ -96,7 +96,7 @@ class VattnAttnBackend(AttentionBackend):
         self._replay_rids: list | None = None            # see replaying()
 
     def _prepare(self, forward_batch, real: int, extend: bool) -> tuple[list, list, list]:
-        """Map the batch's pages (:meth:`RequestSlots.prepare`); host ``(slots, prefix, seq)``
+        """Map the batch's pages (:meth:`RowSlots.prepare`); host ``(slots, prefix, seq)``
         of its first ``real`` requests."""
         seq = _host_list(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)[:real]
         rpi = forward_batch.req_pool_indices[:real]

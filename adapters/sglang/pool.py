@@ -5,7 +5,7 @@ SGLang names KV by page ids (``page_id * page_size + offset`` in ``out_cache_loc
 request held in vattn slot ``s`` lives at row ``s * C + t`` (``C = layout.rows_per_slot``) of the
 flattened rows view ``cache.k_rows(layer)``, which is ``k_buffer[layer]`` here; the attention
 backend writes new K/V at those rows (:meth:`VattnMHATokenToKVPool.store`) after
-:class:`~.requests.RequestSlots` mapped each request's page ids into its region. Slot 0 is held for
+:class:`~.requests.RowSlots` mapped each request's page ids into its region. Slot 0 is held for
 the pool's lifetime: CUDA-graph padding rows write and read its first row.
 
 Inside SGLang the vattn platform (:mod:`.platform`) hands this class to ``KVCacheConfigurator``,
@@ -23,7 +23,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
 from vattn.core import KVCacheConfig, VirtualKVCache
 from vattn.core.errors import ConfigError, UnsupportedError
 
-from .requests import PAD_SLOT, RequestSlots
+from .requests import PAD_SLOT, RowSlots
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class VattnMHATokenToKVPool(MHATokenToKVPool):
         if got != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype):
             raise ConfigError(f"vattn pool: (layers, kv heads, head dim, dtype) {got} do not match "
                               f"the cache's {(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)}")
-        self.requests = RequestSlots(cache, page_size=page_size)
+        self.requests = RowSlots(cache, page_size=page_size)
         self.vattn_cache = cache
         self.rows_per_slot = cache.layout.rows_per_slot
         self._hold_pad_slot(cache)

@@ -9,7 +9,7 @@ one its ``i``-th page id names; a radix-tree hit maps the cached page-sets into 
 (shared, never copied). SGLang's allocator, radix tree, eviction and preemption decide
 everything; this table follows them:
 
-* before each forward (:meth:`RequestSlots.prepare`, from the attention backend, which has the
+* before each forward (:meth:`RowSlots.prepare`, from the attention backend, which has the
   batch's rows and lengths): requests whose row was freed release their slot (fenced on the
   forward stream); a new row acquires a slot (the idle one where its cached prefix is still
   mapped, if any) and maps its prefix hits; a page a request starts writing is *claimed*
@@ -20,7 +20,7 @@ everything; this table follows them:
   matched (copied to the host at that same moment, :class:`.late_ids.HitIds`), so nothing is read
   from the device: SGLang's overlap scheduler keeps the GPU busy only if the host does not wait
   for it between two steps;
-* a page id returns to SGLang's free list (:meth:`RequestSlots.on_free_pages`, from the
+* a page id returns to SGLang's free list (:meth:`RowSlots.on_free_pages`, from the
   allocator): its key is forgotten; if the request that wrote it still runs and reads it (SGLang
   frees a request's duplicate of a page another request inserted into the tree first, then points
   its row at the tree's page) the id is held back until that request's row is freed, so SGLang's
@@ -49,7 +49,7 @@ from .late_ids import HitIds, LateIds, page_cells
 PAD_SLOT = 0
 
 
-#: the parts of :meth:`RequestSlots.prepare` timed apart (``phase_ms``): binding the page ids that
+#: the parts of :meth:`RowSlots.prepare` timed apart (``phase_ms``): binding the page ids that
 #: landed, releasing departed rows, prefix hits (ids, the wait for them, mapping them), new
 #: rows' slots, claiming the pages given since the last forward, the core's step
 PHASES = ("resolve", "release", "hits", "acquire", "claim", "step")
@@ -68,7 +68,7 @@ class _Laps:
         self.into[name] += (now - self.last) * 1e3
         self.last = now
 
-class RequestSlots:
+class RowSlots:
     """The request-row -> slot table of one vattn SGLang pool.
 
     Parameters
@@ -281,7 +281,7 @@ class RequestSlots:
         """
         start = time.perf_counter()
         if self.req_to_token is None:
-            raise ConfigError("RequestSlots.prepare before attach(req_to_token_pool)")
+            raise ConfigError("RowSlots.prepare before attach(req_to_token_pool)")
         lap = _Laps(self.phase_ms["decode" if prefix_lens is None else "extend"], start)
         self.late.resolve(wait=False)                # bind what has landed
         lap("resolve")
