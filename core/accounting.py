@@ -50,10 +50,13 @@ def gauges(st: CacheState) -> dict:
 def audit(st: CacheState) -> None:
     """:meth:`~vattn.core.cache.VirtualKVCache.audit` once the map-ahead worker is idle."""
     pages, pool = st.pages, st.pool
-    mapped = np.fromiter((pid for ranges in pages.mapped for pids in ranges for pid in pids),
+    for slot, ranges in enumerate(pages.mapped):
+        for rng, pids in enumerate(ranges):
+            if -1 in pids and pids.index(-1) < pages.num_accessible[slot][rng]:
+                raise VattnError(f"slot {slot} range {rng}: a hole below its accessible pages "
+                                 f"(a failed remap left position {pids.index(-1)} unmapped)")
+    mapped = np.fromiter((pid for ranges in pages.mapped for pids in ranges for pid in pids if pid >= 0),
                          dtype=np.int64)
-    if mapped.size and mapped.min() < 0:
-        raise VattnError("a slot's page list has a hole (a remap failed and was not undone)")
     count = np.bincount(mapped, minlength=pool.num_pages)
     reads = np.bincount(np.fromiter(_read_pages(st), dtype=np.int64), minlength=pool.num_pages)
     bound = np.zeros(pool.num_pages, dtype=bool)
@@ -83,7 +86,7 @@ def _read_pages(st: CacheState):
     for slot in np.flatnonzero(st.slots.active[:st.config.max_slots]).tolist():
         top = int(st.slots.num_read_sets(slot))
         for pids in st.pages.mapped[slot]:
-            yield from pids[:top]
+            yield from (p for p in pids[:top] if p >= 0)
 
 
 def _where(st: CacheState, pid: int) -> list[tuple[int, int, int]]:

@@ -8,6 +8,8 @@ device copy into a loose page-set) or mapping new pages there.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .errors import SlotError
 from .growth import Growth
 from .loose import LooseSets
@@ -132,19 +134,59 @@ class Binding:
             #                                           access call failed, or a remap failed
             #                                           half-way and left one range's page bound)
             if not self._move_out(slot, index, cur, end):  # then map new pages here
-                pids = self.growth.take_set(slot, index)
-                if pids is None:
+                cur = self._replace(slot, index, cur)
+                if cur is None:
                     return None
-                st.settle(slot)
-                st.wait_fence(slot)
-                try:
-                    pages.put(slot, index, [pids])
-                finally:
-                    st.pool.give(pids)                # the mapping holds them now
-                cur = tuple(pids)
         for rng in range(len(cur)):                   # pages of another tenant are scrubbed first
             pages.scrub_pages(slot, rng, (index,), st.slots.tenant[slot])
         return cur
+
+    def _replace(self, slot: int, index: int, cur: tuple[int, ...]) -> tuple[int, ...] | None:
+        """Map new pool pages at ``index`` of ``slot`` in the ranges whose page another block
+        holds (bound) or another mapping shares; a range whose page is this mapping's alone keeps
+        it (after a remap that failed half-way, only the ranges it did not reach are replaced,
+        so a retry needs no more free pages than the first try). ``None``: the pool is short."""
+        st = self.state
+        bound, refs = st.pages.bound, st.pool.refs
+        replace = [rng for rng, p in enumerate(cur) if bound[p] or refs[p] != 1]
+        pids = self.growth.take_set(slot, index, len(replace))
+        if pids is None:
+            return None
+        new = list(cur)
+        for rng, pid in zip(replace, pids):
+            new[rng] = pid
+        st.settle(slot)
+        st.wait_fence(slot)
+        try:
+            st.pages.put(slot, index, [tuple(new)])
+        finally:
+            st.pool.give(pids)                        # the mapping holds them now
+        return tuple(new)
+
+    def _spare_place(self, avoid: int) -> tuple[int, int] | None:
+        """A loose page-set made of free pool pages, mapped on top of a slot (idle ones first,
+        the one released longest ago; else an active one, above everything its request reads):
+        one map per range, no unmap and no fence, since nothing reads above a slot's top.
+        ``None`` when the pool is short of a page-set or no slot has room."""
+        st = self.state
+        if st.pool.num_free < st.layout.num_ranges:
+            return None
+        table, pages, n = st.slots, st.pages, st.config.max_slots
+        room = pages.usable_n[:n] < st.layout.pages_per_slot
+        room[avoid] = False
+        if table.inflight:
+            room[[s for s in table.inflight if s < n]] = False
+        cands = np.flatnonzero(room)
+        order = np.lexsort((table.released_at[cands], table.active[cands]))
+        # only a slot mapped evenly: after a failed driver call a range may hold pages above
+        # the usable top (another block's, or a request's own), which a copy there would overwrite
+        spare = next((int(s) for s in cands[order] if pages.mapped_evenly(int(s))), None)
+        if spare is None:
+            return None
+        index = pages.usable(spare)
+        if not pages.grow(spare, index + 1, table.tenant[spare], ahead=False):
+            return None
+        return spare, index
 
     def _move_out(self, slot: int, index: int, cur: tuple[int, ...], end: int) -> bool:
         """Move the cached block in page-set ``cur`` (at ``index`` of ``slot``) into a loose
@@ -160,6 +202,8 @@ class Binding:
         if key is None or st.keys.get(key) != cur:    # not one whole bound page-set: leave it
             return False
         dst = self.loose.take(avoid=(slot, end))
+        if dst is None:
+            dst = self._spare_place(slot)
         if dst is None:
             return False
         self.space.copy_set((slot, index), dst)

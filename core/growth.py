@@ -68,10 +68,11 @@ class Growth:
             return False, True
         return pages.grow(slot, num_sets, st.slots.tenant[slot], ahead=False), exhausted
 
-    def take_set(self, slot: int, index: int) -> list[int] | None:
-        """One free page per range, reclaiming (never from ``slot`` below ``index + 1``)."""
+    def take_set(self, slot: int, index: int, count: int | None = None) -> list[int] | None:
+        """``count`` free pages (default one per range), reclaiming (never from ``slot`` below
+        ``index + 1``); ``None`` when the pool stays short."""
         st = self.state
-        ranges = st.layout.num_ranges
+        ranges = st.layout.num_ranges if count is None else count
         while (short := ranges - st.pool.num_free) > 0:
             if self.reclaim.reclaim(short, {slot: index + 1}) >= short:
                 break

@@ -111,6 +111,7 @@ class SlotPages:
         if not 0 <= num_sets <= self.layout.pages_per_slot:   # beyond: another slot's region
             raise ValueError(f"slot {slot} can hold at most {self.layout.pages_per_slot} page-sets, "
                              f"asked to grow to {num_sets}")
+        self.heal(slot)
         need = self.missing(slot, num_sets)
         if need > self.pool.num_free:
             return False
@@ -185,6 +186,7 @@ class SlotPages:
             A VMM call failed; the record stays exact (a position either keeps its old page or
             has the new one; access is re-granted on retry) and the call can be retried.
         """
+        self.heal(slot)
         end = index + len(sets)
         if not 0 <= index <= self.usable(slot) or end > self.layout.pages_per_slot:
             raise ValueError(f"page-sets {index}..{end - 1} of slot {slot} do not start at a mapped or "
@@ -205,19 +207,21 @@ class SlotPages:
             if i < len(pages) and pages[i] == pid:      # already there (a hit in place, a retry)
                 continue
             va = self.va(rng, slot, i)
-            if i < len(pages):
+            old = pages[i] if i < len(pages) else -1
+            if old >= 0:
                 self.counters.unmap_calls += 1
                 self._call("unmap", va, page_bytes)
-                freed += self.pool.give([pages[i]])
                 pages[i] = -1                   # unmapped: a failure below leaves no stale id
             self.counters.map_calls += 1
             try:
                 self.driver.map(va, page_bytes, self.pool.handles[pid])
             except DriverError:
                 self.counters.driver_faults += 1
-                if i < len(pages):              # the hole (and what is above it) is dropped
-                    self._trim_range(slot, rng, i)
+                if old >= 0:
+                    self._undo_unmap(slot, rng, i, old)
                 raise
+            if old >= 0:
+                freed += self.pool.give([old])
             self.pool.refs[pid] += 1            # shared: referenced elsewhere already
             self.counters.pages_aliased += 1
             if i == len(pages):
@@ -229,6 +233,37 @@ class SlotPages:
         self.num_accessible[slot][rng] = max(prev, index + len(pids))
         self._restore_access(slot, rng)         # mapped but never accessible pages above
         return freed
+
+    def _undo_unmap(self, slot: int, rng: int, i: int, old: int) -> None:
+        """A replacement at ``i`` failed after ``old`` was unmapped: map ``old`` back (its access
+        is re-granted by the next grow or put: ``num_accessible`` stays below ``i``). If that
+        fails too, ``old`` goes back to the pool and the hole stays, marked ``-1``, above the
+        accessible pages: :meth:`heal` drops it (and what is above it in that range) before the
+        slot's pages change next."""
+        try:
+            self.counters.map_calls += 1
+            self.driver.map(self.va(rng, slot, i), self.layout.page_bytes, self.pool.handles[old])
+            self.mapped[slot][rng][i] = old
+        except DriverError:
+            self.counters.driver_faults += 1
+            self.pool.give([old])
+            try:
+                self._trim_range(slot, rng, i)   # drop the hole now if the driver lets us
+            except DriverError:
+                pass                             # exact as it is: heal() finishes it later
+
+    def heal(self, slot: int) -> None:
+        """Drop the holes a failed replacement left in ``slot`` (with the pages above them in
+        their range: unmapped, given back); a no-op without holes.
+
+        Raises
+        ------
+        DriverError
+            An unmap failed; what is left is exact (a hole stays until a later call).
+        """
+        for rng, pages in enumerate(self.mapped[slot]):
+            if -1 in pages:
+                self._trim_range(slot, rng, pages.index(-1))
 
     def _restore_access(self, slot: int, rng: int) -> int:
         """Grant access to ``slot``'s mapped pages in ``rng`` that lack it (one call); returns

@@ -57,7 +57,8 @@ class Reclaim:
         if not len(st.keys):
             return int((st.pages.held_n[slots] - keep * st.layout.num_ranges).sum())
         refs = st.pool.refs
-        return sum(int((refs[pages[k:]] == 1).sum()) for s, k in zip(slots.tolist(), keep.tolist())
+        return sum(int((refs[[p for p in pages[k:] if p >= 0]] == 1).sum())   # -1: a hole
+                   for s, k in zip(slots.tolist(), keep.tolist())
                    for pages in st.pages.mapped[s] if len(pages) > k)
 
     def reclaim(self, want: int, protect: dict[int, int], *, idle_only: bool = False,
@@ -109,6 +110,6 @@ class Reclaim:
         none): unmapping above it frees every page."""
         refs, ranges = self.state.pool.refs, self.state.pages.mapped[slot]
         for index in range(max(map(len, ranges)) - 1, -1, -1):
-            if any(index < len(pages) and refs[pages[index]] != 1 for pages in ranges):
+            if any(index < len(pages) and pages[index] >= 0 and refs[pages[index]] != 1 for pages in ranges):
                 return index + 1
         return 0

@@ -124,3 +124,17 @@ def test_memory_pressure_options_refuse_bad_values(capsys):
     assert "--max-num-seqs needs the scheduler" in capsys.readouterr().err
     assert main(base + ["--fence-lag", "1", "--max-model-len", "64"]) == 2
     assert "--max-model-len must hold the longest request (1024 tokens), got 64" in capsys.readouterr().err
+
+
+def test_waves_on_a_full_pool_move_cached_blocks_by_copy_not_by_vmm_calls(tmp_path):
+    """Two waves of requests (max_num_seqs 8 of 16) on a pool that holds one wave: the second
+    wave's blocks land on positions holding the first wave's cached blocks. With room above the
+    requests (vLLM's regions are max_model_len long), the displaced blocks are parked there by
+    one device copy each (free pages mapped on a slot's top), so from the second generation on
+    no VMM call is made (before parking, 224 maps + 224 unmaps a generation)."""
+    gens = _sched(tmp_path, "--batch", "16", "--max-num-seqs", "8", "--pool-fraction", "0.55",
+                  "--fence-lag", "1", "--max-model-len", "4096")
+    assert all(g["preemptions"] == 0 for g in gens)
+    for g in gens[1:]:
+        assert g["map_calls"] == g["unmap_calls"] == 0 and g["fence_waits"] == 0
+        assert g["page_sets_moved"] > 0

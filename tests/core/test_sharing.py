@@ -231,6 +231,28 @@ def _move_by_copy(cache, T):
     assert same(cache, c, 0, T, 8) and same(cache, c, T, 2 * T, 8) and same(cache, b, T, 2 * T, 1)
 
 
+def test_with_no_loose_page_set_a_displaced_block_is_parked_on_a_slots_top_by_copy(cache):
+    """No pre-warm, so nothing is loose: the cached block a fresh one displaces is copied into
+    free pool pages mapped on top of another slot (one map per range, no unmap), not unmapped
+    from under its position; a later hit reads it there."""
+    a = cache.acquire()
+    cache.bind(a, 0, ["m0", "m1"])
+    fill(cache, a, 0, 2 * T, 8)
+    cache.release(a)
+    b = cache.acquire(prefer="m0")
+    assert b == a
+    before = cache.metrics()
+    cache.bind(b, 0, ["m0", "n1"], hits=1)             # n1 is fresh where m1 sits
+    m = cache.metrics()
+    assert m["page_sets_moved"] - before["page_sets_moved"] == 1
+    assert m["unmap_calls"] == before["unmap_calls"]
+    assert m["map_calls"] - before["map_calls"] == cache.layout.num_ranges
+    fill(cache, b, T, 2 * T, 1)
+    c = cache.acquire()
+    cache.bind(c, 0, ["m0", "m1"], hits=2)
+    assert same(cache, c, 0, 2 * T, 8) and same(cache, b, T, 2 * T, 1)
+
+
 def test_content_moved_into_another_slot_is_scrubbed_before_that_slot_is_handed_out():
     """A cached block moved (copied) into a loose page-set of another slot carries its tenant
     with it: once its key is gone, that slot's next request (another tenant) reads zeros."""

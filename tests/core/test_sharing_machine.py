@@ -40,7 +40,8 @@ class SharingMachine(RuleBasedStateMachine):
         super().__init__()
         self.cache = make_cache(num_layers=1, group_size=1, split_kv=True, num_kv_heads=1,
                                 head_dim=PAGE // 256, page_bytes=PAGE, page_budget=2 * SETS * PAGE,
-                                max_context=6 * T, max_slots=SLOTS, map_ahead_tokens=T)
+                                max_context=6 * T, max_slots=SLOTS, map_ahead_tokens=T,
+                                driver=self.make_driver())
         self.cache.prewarm(T)          # as the engines do: loose page-sets mapped in idle slots
         k, v = self.cache.k(0).view(torch.int16), self.cache.v(0).view(torch.int16)
         self.kv = k.as_strided((2, *k.shape), (v.storage_offset() - k.storage_offset(), *k.stride())).numpy()
@@ -52,6 +53,9 @@ class SharingMachine(RuleBasedStateMachine):
         self.chains: list[list[int]] = []                     # block lists of earlier requests
         self.pending: list[tuple[int, int, int]] = []          # (slot, index, block) claimed, unnamed
         self.serial = 0
+
+    def make_driver(self):
+        return None                    # the host backend
 
     def teardown(self):
         m = self.cache.metrics()
