@@ -57,6 +57,7 @@ class Counters:
     pages_scrubbed: int = 0
     shortfalls: int = 0               # slots ensure() could not grow (preemption-worthy)
     driver_faults: int = 0
+    undo_faults: int = 0              # of those, failures while undoing a failed replacement
     fence_waits: int = 0              # reclaim or bind had to block on a fence
     pages_aliased: int = 0            # pages mapped from a bound block key (prefix sharing)
     keys_bound: int = 0               # bind(): fresh page-sets named by an engine block key

@@ -246,11 +246,12 @@ class SlotPages:
             self.mapped[slot][rng][i] = old
         except DriverError:
             self.counters.driver_faults += 1
+            self.counters.undo_faults += 1
             self.pool.give([old])
             try:
                 self._trim_range(slot, rng, i)   # drop the hole now if the driver lets us
             except DriverError:
-                pass                             # exact as it is: heal() finishes it later
+                self.counters.undo_faults += 1   # exact as it is: heal() finishes it later
 
     def heal(self, slot: int) -> None:
         """Drop the holes a failed replacement left in ``slot`` (with the pages above them in

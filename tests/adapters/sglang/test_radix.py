@@ -261,7 +261,10 @@ def test_churn_with_driver_faults_is_retried_and_corrupts_nothing():
     driver.arm_rate("set_access", 0.2, seed=2)
     _churn(e, 7)
     assert driver.injected["map"] > 0 and driver.injected["set_access"] > 0
-    assert e.pool.requests.retry.retried == sum(driver.injected.values())
+    # every injected failure was retried, except those absorbed while a failed replacement
+    # was undone (the old page mapped back: that call may fail too, and is not retried)
+    undo = e.cache.metrics()["undo_faults"]
+    assert e.pool.requests.retry.retried + undo == sum(driver.injected.values())
     e.cache.audit()
 
 
