@@ -9,15 +9,14 @@ leave no other request's KV touched and nothing a later hit would read wrong.
 """
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import precondition, rule
 
 from vattn.core.driver import HostDriver
 from vattn.core.driver.faults import FaultInjector
 from vattn.core.errors import DriverError
 
-from tests.core.test_sharing_machine import PAGE, SLOTS, SharingMachine, T
+from tests.core.test_sharing_machine import PAGE, SLOTS, SharingMachine, run_machine
 
 RETRIES = 2
 
@@ -71,53 +70,33 @@ class FaultySharingMachine(SharingMachine):
                                  ("zero",), ("map", "set_access", "unmap", "zero")]),
           rate=st.sampled_from([0.1, 0.3, 0.6]), seed=st.integers(0, 1 << 16))
     def admit_faulty(self, choice, hit_len, fresh, kinds, rate, seed):
-        self._resolve()
-        hit = self._hit(choice, hit_len)
-        fresh = min(fresh, 6 - len(hit))
-        if fresh > self._free_count() - sum(b in self.cached for b in hit):
+        got = self._admission(choice, hit_len, fresh)
+        if got is None:
             return
-        for b in hit:
-            self.cached.pop(b, None)
-        blocks = hit + self._fresh(fresh)
-        slot = self.cache.acquire(expected_len=len(blocks) * T, prefer=hit[0] if hit else None)
-        if not self._bind_or_kill(slot, 0, blocks, len(hit), kinds, rate, seed):
+        slot, blocks, hit = got
+        if self._bind_or_kill(slot, 0, blocks, len(hit), kinds, rate, seed):
+            self._admitted(slot, blocks, hit)
+        else:
             self._kill(slot, hit, blocks[len(hit):])
-            return
-        for i, b in enumerate(hit):
-            assert (self.kv[:, slot, i * T:(i + 1) * T] == self.value[b]).all(), f"hit on {b} reads other data"
-        for i in range(len(hit), len(blocks)):
-            self._write(slot, i, blocks[i])
-        self.running[slot] = blocks
-        self._step(slot)
 
     @precondition(lambda self: self.running)
     @rule(pick=st.integers(0, SLOTS - 1), n=st.integers(1, 2),
           kinds=st.sampled_from([("map",), ("set_access",), ("map", "set_access", "unmap")]),
           rate=st.sampled_from([0.3, 0.6]), seed=st.integers(0, 1 << 16))
     def grow_faulty(self, pick, n, kinds, rate, seed):
-        self._resolve()
-        slot = sorted(self.running)[pick % len(self.running)]
-        blocks = self.running[slot]
-        n = min(n, 6 - len(blocks), self._free_count())
+        slot, blocks, n = self._growth(pick, n)
         if n <= 0:
             return
         new = self._fresh(n)
-        if not self._bind_or_kill(slot, len(blocks), new, 0, kinds, rate, seed):
+        if self._bind_or_kill(slot, len(blocks), new, 0, kinds, rate, seed):
+            self._grown(slot, blocks, new)
+        else:
             del self.running[slot]
             self._kill(slot, blocks, new)
-            return
-        for j, b in enumerate(new):
-            self._write(slot, len(blocks) + j, b)
-        blocks += new
-        self._step(slot)
 
 
 def test_sharing_with_driver_faults_in_bind():
-    SharingMachine.totals = {}
-    run_state_machine_as_test(FaultySharingMachine, settings=settings(
-        max_examples=150, stateful_step_count=80, deadline=None, derandomize=True,
-        suppress_health_check=list(HealthCheck)))
-    t = SharingMachine.totals
+    t = run_machine(FaultySharingMachine, steps=80)
     assert t["kills"] > 20 and t["page_sets_moved"] > 10 and t["prefix_hits"] > 50, t
 
 

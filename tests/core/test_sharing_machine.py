@@ -114,16 +114,28 @@ class SharingMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.running) < SLOTS)
     @rule(choice=st.integers(0, 50), hit_len=st.integers(0, 4), fresh=st.integers(1, 3))
     def admit(self, choice, hit_len, fresh):
+        got = self._admission(choice, hit_len, fresh)
+        if got is not None:
+            slot, blocks, hit = got
+            assert self.cache.bind(slot, 0, blocks, hits=len(hit)), "bind ran short"
+            self._admitted(slot, blocks, hit)
+
+    def _admission(self, choice, hit_len, fresh):
+        """A new request's ``(slot, blocks, hit)``, acquired and not bound yet (``None``: the
+        engine has too few free blocks)."""
         self._resolve()
         hit = self._hit(choice, hit_len)
         fresh = min(fresh, 6 - len(hit))
         if fresh > self._free_count() - sum(b in self.cached for b in hit):
-            return
+            return None
         for b in hit:                  # a hit takes the block off the free list (vLLM's touch)
             self.cached.pop(b, None)
         blocks = hit + self._fresh(fresh)
         slot = self.cache.acquire(expected_len=len(blocks) * T, prefer=hit[0] if hit else None)
-        assert self.cache.bind(slot, 0, blocks, hits=len(hit)), "bind ran short"
+        return slot, blocks, hit
+
+    def _admitted(self, slot, blocks, hit):
+        """A bound new request: its hits read their blocks' values, its fresh blocks are written."""
         for i, b in enumerate(hit):
             assert (self.kv[:, slot, i * T:(i + 1) * T] == self.value[b]).all(), f"hit on {b} reads other data"
         for i in range(len(hit), len(blocks)):
@@ -134,10 +146,7 @@ class SharingMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.running)
     @rule(pick=st.integers(0, SLOTS - 1), n=st.integers(1, 2), late=st.booleans())
     def grow(self, pick, n, late):
-        self._resolve()
-        slot = sorted(self.running)[pick % len(self.running)]
-        blocks = self.running[slot]
-        n = min(n, 6 - len(blocks), self._free_count())
+        slot, blocks, n = self._growth(pick, n)
         if n <= 0:
             return
         new = self._fresh(n, forget=late)
@@ -148,6 +157,16 @@ class SharingMachine(RuleBasedStateMachine):
             SharingMachine.totals["claimed"] = SharingMachine.totals.get("claimed", 0) + n
         else:
             assert self.cache.bind(slot, len(blocks), new), "bind ran short"
+        self._grown(slot, blocks, new)
+
+    def _growth(self, pick, n):
+        """The running request ``pick`` names, its blocks, and how many it can get (<= ``n``)."""
+        self._resolve()
+        slot = sorted(self.running)[pick % len(self.running)]
+        blocks = self.running[slot]
+        return slot, blocks, min(n, 6 - len(blocks), self._free_count())
+
+    def _grown(self, slot, blocks, new):
         for j, b in enumerate(new):
             self._write(slot, len(blocks) + j, b)
         blocks += new
@@ -200,12 +219,17 @@ class SharingMachine(RuleBasedStateMachine):
         assert c.metrics()["keys_held"] >= held
 
 
-def test_sharing_state_machine():
+def run_machine(machine, *, steps: int) -> dict:
+    """Run ``machine`` (150 seeded examples of ``steps`` rules); the totals it counted."""
     SharingMachine.totals = {}
-    run_state_machine_as_test(SharingMachine, settings=settings(
-        max_examples=150, stateful_step_count=120, deadline=None, derandomize=True,
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=150, stateful_step_count=steps, deadline=None, derandomize=True,
         suppress_health_check=list(HealthCheck)))
-    t = SharingMachine.totals
+    return SharingMachine.totals
+
+
+def test_sharing_state_machine():
+    t = run_machine(SharingMachine, steps=120)
     # the run exercised what it is about: hits mapped from other slots, and block reuse
     assert t["prefix_hits"] > 100 and t["pages_aliased"] > 100 and t["evicting"] > 10, t
     assert t["page_sets_moved"] > 10 and t["forgotten"] > 10 and t["claimed"] > 50, t
