@@ -46,6 +46,13 @@ class Reclaim:
             inside = ps < n
             keep[ps[inside]] = np.maximum(keep[ps[inside]], pk[inside])
         surplus = np.flatnonzero(active & takeable & (held > keep * st.layout.num_ranges))
+        # a slot whose ranges differ in length (a driver call failed part way) can hold pages
+        # above ``keep`` in one range while another lacks some: its total says nothing then
+        ranges = st.layout.num_ranges   # evenly mapped: every range holds usable_n pages
+        cand = np.flatnonzero(active & takeable & (held != st.pages.usable_n[:n] * ranges))
+        uneven = [s for s in cand.tolist() if max(map(len, st.pages.mapped[s])) > keep[s]]
+        if uneven:
+            surplus = np.union1d(surplus, uneven).astype(np.int64)
         return (np.concatenate([idle, surplus]),
                 np.concatenate([np.zeros(idle.size, dtype=np.int64), keep[surplus]]))
 
