@@ -57,6 +57,7 @@ class SlotPages:
         self.held_n = np.zeros(n, dtype=np.int64)       # pool pages per slot (== held(slot))
         self.usable_n = np.zeros(n, dtype=np.int64)     # == usable(slot), for vectorised queries
         self.bound = np.zeros(pool.num_pages, dtype=bool)  # page held by a block key (shared)
+        self.holes: set[int] = set()    # slots with a -1 left by a failed replacement (heal())
 
     def refresh(self, slot: int) -> None:
         """Recompute ``cap_tokens[slot]`` / ``usable_n[slot]`` after its pages changed."""
@@ -252,6 +253,7 @@ class SlotPages:
                 self._trim_range(slot, rng, i)   # drop the hole now if the driver lets us
             except DriverError:
                 self.counters.undo_faults += 1   # exact as it is: heal() finishes it later
+                self.holes.add(slot)
 
     def heal(self, slot: int) -> None:
         """Drop the holes a failed replacement left in ``slot`` (with the pages above them in
@@ -262,9 +264,12 @@ class SlotPages:
         DriverError
             An unmap failed; what is left is exact (a hole stays until a later call).
         """
+        if slot not in self.holes:
+            return
         for rng, pages in enumerate(self.mapped[slot]):
             if -1 in pages:
                 self._trim_range(slot, rng, pages.index(-1))
+        self.holes.discard(slot)
 
     def _restore_access(self, slot: int, rng: int) -> int:
         """Grant access to ``slot``'s mapped pages in ``rng`` that lack it (one call); returns

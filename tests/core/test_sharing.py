@@ -288,3 +288,37 @@ def test_bind_many_binds_a_hit_after_the_request_that_gets_its_block_fresh(cache
     c, d = cache.acquire(), cache.acquire()
     with pytest.raises(SlotError, match="wait on each other"):
         cache.bind_many([(c, 0, ["x", "y"], 1), (d, 0, ["y", "x"], 1)])
+
+
+def test_a_failed_replacement_whose_undo_fails_too_leaves_a_healable_hole():
+    """A hit mapped over a warm slot's own page: the new map fails, mapping the old page back
+    fails, and the unmap that would drop the hole fails as well. The record stays exact (a hole
+    above the accessible pages, counted in ``undo_faults``), and the retried bind heals it and
+    reads the cached block."""
+    from vattn.core.driver import FaultInjector, HostDriver
+    from vattn.core.errors import DriverError
+    from tests.core._util import SMALL_PAGE
+    drv = FaultInjector(HostDriver(granularity=SMALL_PAGE))
+    cache = make_cache(driver=drv)
+    try:
+        T = int(cache.layout.tokens_per_page)
+        a = cache.acquire()
+        cache.bind(a, 0, ["x0"])
+        fill(cache, a, 0, T, 5)
+        b = cache.acquire()                    # another slot, with three page-sets of its own
+        assert cache.ensure({b: 3 * T}) == []
+        maps, unmaps = drv.calls["map"], drv.calls["unmap"]
+        drv.arm("map", {maps + 1, maps + 2})   # the new page, then the old one mapped back
+        drv.arm("unmap", {unmaps + 2})          # the first unmap of the trim that drops the hole
+        with pytest.raises(DriverError):
+            cache.bind(b, 0, ["x0"], hits=1)
+        drv.disarm()
+        assert cache.metrics()["undo_faults"] == 2
+        assert any(-1 in pages for pages in cache._state.pages.mapped[b])
+        cache.audit()                          # exact: the hole lies above the accessible pages
+        assert cache.bind(b, 0, ["x0"], hits=1)
+        assert not any(-1 in pages for ranges in cache._state.pages.mapped for pages in ranges)
+        assert same(cache, b, 0, T, 5) and same(cache, a, 0, T, 5)
+        cache.audit()
+    finally:
+        cache.close()
