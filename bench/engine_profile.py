@@ -13,9 +13,10 @@ import os
 
 from vattn.core.errors import ConfigError
 
-__all__ = ["load_profiles", "profile_markdown", "read_stage_json"]
+__all__ = ["load_profiles", "profile_markdown", "read_stage_json", "FAMILIES"]
 
-_FAMILIES = ("attention", "gemm", "kv store", "slot tables", "other")
+#: the kernel families of the profile tables, in the order they are shown
+FAMILIES = ("attention", "gemm", "kv store", "slot tables", "other")
 
 
 def load_profiles(folder: str) -> dict:
@@ -57,15 +58,15 @@ def profile_markdown(name: str, report: dict) -> str:
     if not modes:
         return f"Profile {name}: no table (errors: {list(report.get('errors') or {})})\n"
     total = {m: r.get("total_us") for m, r in modes.items()}
-    head = ("| mode | timed run s | " + " | ".join(f"{f} ms" for f in _FAMILIES) +
+    head = ("| mode | timed run s | " + " | ".join(f"{f} ms" for f in FAMILIES) +
             " | GPU total ms | GPU time / stock | GPU time / ceiling | attention / stock |")
     lines = [f"Profile {name}: {report.get('steps')} engine steps after {report.get('delay')} "
              f"(vLLM's torch profiler), GPU time summed over kernels", "", head,
-             "|---" * (len(_FAMILIES) + 6) + "|"]
+             "|---" * (len(FAMILIES) + 6) + "|"]
     att = {m: (r.get("families_us") or {}).get("attention") for m, r in modes.items()}
     for mode, r in modes.items():
         fam = r.get("families_us") or {}
-        cells = [f"{fam[f] / 1e3:.1f}" if f in fam else "—" for f in _FAMILIES]
+        cells = [f"{fam[f] / 1e3:.1f}" if f in fam else "—" for f in FAMILIES]
         secs = r.get("seconds")
         lines.append(f"| {mode} | {secs:.3f} | " if secs else f"| {mode} | — | ")
         lines[-1] += " | ".join(cells) + (

@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "profiler (the client's --profile), after --profile-delay steps; the "
                              "report gets GPU time per kernel family, GPU busy and idle time and "
                              "host synchronizations per run (0: no profiling)")
-    parser.add_argument("--profile-delay", type=argtypes.non_negative_int, default=200,
+    parser.add_argument("--profile-delay", type=argtypes.non_negative_int, default=300,
                         help="engine steps after the client's start before the profiled window")
 
 
@@ -293,9 +293,9 @@ def profile_flags(folder: str, *, steps: int, delay: int) -> list[str]:
 
 
 def profile_summary(folder: str) -> dict:
-    """A profiled run's kernel families (``profiler_out_0.txt``) and trace window numbers
+    """A profiled run's kernel families (vLLM's profiler table) and trace window numbers
     (:func:`vattn.bench.trace.trace_summary`); ``profile_error`` says what is missing."""
-    from vattn.bench.gpu.report import kernel_summary, parse_profiler_table
+    from vattn.bench.gpu.report import profiler_kernels
     from vattn.bench.trace import find_trace, trace_summary
     out: dict = {}
     try:
@@ -307,8 +307,7 @@ def profile_summary(folder: str) -> dict:
     except ConfigError as exc:
         return {"profile_error": f"{type(exc).__name__}: {exc}"}
     try:   # a CPU engine's table has no CUDA columns: no kernel families then
-        with open(os.path.join(folder, "profiler_out_0.txt")) as f:
-            out["kernels"] = kernel_summary(parse_profiler_table(f.read()))
+        out["kernels"] = profiler_kernels(folder)
     except (OSError, ValueError) as exc:
         out["kernels"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 
+from .engine_profile import FAMILIES as PROFILE_FAMILIES
 from .serve_clients import METRICS
 
 __all__ = ["TABLE_METRICS", "LOWER_IS_BETTER", "summarize", "round_ratios", "markdown", "plot"]
@@ -124,10 +125,6 @@ def _vattn_table(rows: list[dict]) -> list[str]:
                      + " | ".join(_num(path.get(key)) if isinstance(path.get(key), (int, float)) else "–"
                                   for key, _ in VATTN_COLUMNS) + " |")
     return lines
-
-
-#: kernel families of the profile table (:func:`vattn.bench.gpu.report.kernel_summary`)
-PROFILE_FAMILIES = ("attention", "gemm", "kv store", "slot tables", "other")
 
 
 def _profile_table(rows: list[dict]) -> list[str]:

@@ -24,8 +24,8 @@ from vattn.core.errors import ConfigError
 __all__ = ["trace_summary", "find_trace", "busy_union_us", "SYNC_CALLS"]
 
 #: CUDA runtime / driver calls that make the host wait for the device
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
-              "cudaMemcpy", "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
+SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                        "cudaMemcpy", "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize"})
 _GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 _HOST_ALLOC = ("cudaHostAlloc", "cudaMallocHost", "cuMemHostAlloc", "cudaHostRegister")
 
@@ -60,11 +60,6 @@ def busy_union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _is_sync(name: str) -> bool:
-    # cudaMemcpy (synchronous) but not cudaMemcpyAsync
-    return any(name == s or (name.startswith(s) and s != "cudaMemcpy") for s in SYNC_CALLS)
-
-
 def trace_summary(path: str) -> dict:
     """The window's numbers (module docstring) of the trace at ``path``.
 
@@ -91,7 +86,7 @@ def trace_summary(path: str) -> dict:
             acc = runtime.setdefault(name, [0, 0.0])
             acc[0] += 1
             acc[1] += dur
-            if _is_sync(name):
+            if name in SYNC_CALLS:          # not cudaMemcpyAsync
                 syncs.append(dur)
             elif name.startswith(_HOST_ALLOC):
                 host_allocs += 1

@@ -167,7 +167,7 @@ class Binding:
         """A loose page-set made of free pool pages, mapped on top of a slot (idle ones first,
         the one released longest ago; else an active one, above everything its request reads):
         one map per range, no unmap and no fence, since nothing reads above a slot's top.
-        ``None`` when the pool is short of a page-set or no slot has room."""
+        ``None`` when the pool is short of a page-set or no evenly mapped slot has room."""
         st = self.state
         if st.pool.num_free < st.layout.num_ranges:
             return None

@@ -10,7 +10,7 @@ import re
 from vattn.conformance.models import PRESETS, kv_bytes_per_token
 
 __all__ = ["waste_per_request", "critical_path_summary", "vattn_columns", "jit_during_inference",
-           "parse_profiler_table", "kernel_summary", "pool_engines", "HOST_CALLS"]
+           "parse_profiler_table", "kernel_summary", "profiler_kernels", "PROFILER_TABLE", "pool_engines", "HOST_CALLS"]
 
 _BYTES_PER_TOKEN_8B = kv_bytes_per_token(PRESETS["llama3-8b-shape"])   # all layers, K and V, bf16
 
@@ -166,3 +166,21 @@ def kernel_summary(rows: list[dict], top: int = 12) -> dict:
     return {"total_us": round(sum(r["self_cuda_us"] for r in kernels), 1),
             "families_us": {k: round(v, 1) for k, v in sorted(families.items())},
             "top": ordered[:top]}
+
+
+#: the table vLLM's torch profiler writes for rank 0 into its profiler directory
+PROFILER_TABLE = "profiler_out_0.txt"
+
+
+def profiler_kernels(folder: str) -> dict:
+    """:func:`kernel_summary` of the profiler table vLLM wrote into ``folder``.
+
+    Raises
+    ------
+    OSError
+        No table there.
+    ValueError
+        The file is not a table with CUDA columns (a CPU engine's).
+    """
+    with open(os.path.join(folder, PROFILER_TABLE)) as f:
+        return kernel_summary(parse_profiler_table(f.read()))

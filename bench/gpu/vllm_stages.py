@@ -43,7 +43,7 @@ from vattn.conformance.runners.vllm import VllmRunner
 from vattn.conformance.stages import run_modes
 
 from . import stage
-from .report import (jit_during_inference, kernel_summary, parse_profiler_table, pool_engines,
+from .report import (PROFILER_TABLE, jit_during_inference, pool_engines, profiler_kernels,
                      vattn_columns, waste_per_request)
 from .stage import env_choice, env_modes, free_cuda
 from .workloads import (IDENTITY_MODELS, LLAMA3_8B_LONG, MULTI_TURN_USER, WORKLOADS, env_shape,
@@ -250,16 +250,14 @@ def stage_profile(args) -> dict:
                              profile_steps=report["steps"], profile_delay=report["delay"])
         results, errors = run_modes(runner, model, prompts, new, logprobs=0)
         report["errors"] |= errors
-        table = os.path.join(pdir, "profiler_out_0.txt")
-        if mode in results and os.path.exists(table):
-            with open(table) as f:
-                report["modes"][mode] = kernel_summary(parse_profiler_table(f.read()))
+        if mode in results and os.path.exists(os.path.join(pdir, PROFILER_TABLE)):
+            report["modes"][mode] = profiler_kernels(pdir)
             report["modes"][mode]["seconds"] = results[mode].seconds
         elif mode in results:
             errors[mode] = report["errors"][mode] = f"no profiler table in {pdir}"
         for name in os.listdir(pdir):   # the traces are large: keep the table only
             path = os.path.join(pdir, name)
-            if name != "profiler_out_0.txt":
+            if name != PROFILER_TABLE:
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     report["ok"] = not report["errors"] and bool(report["modes"])
     return report
