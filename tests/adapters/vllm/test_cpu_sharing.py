@@ -299,3 +299,19 @@ def test_update_hook_refuses_blocks_of_several_groups(hooked):
     out.scheduled_new_reqs = [SimpleNamespace(req_id="a", block_ids=([1], [2]), num_computed_tokens=0)]
     with pytest.raises(UnsupportedError, match="2 KV cache groups"):
         hooked.step(out)
+
+
+@pytest.mark.parametrize("order", [["a", "x"], ["x", "a"]])
+def test_slots_are_released_in_request_id_order_whatever_order_vllm_lists_them(order):
+    # vLLM passes finished ids as a set: its order differs per process (string hashing), so the
+    # release order must not follow it, or tensor-parallel ranks would place the same blocks apart
+    run = rt.VattnRuntime(rt.config_from_vllm(_vllm_config(), device="cpu", num_blocks=40), block_size=B)
+    try:
+        run.bind_blocks([("a", [1, 2], 0), ("x", [5, 6], 0)], [])
+        first = run.slot("a")            # released first (its id sorts first): the oldest idle slot
+        run.finish(order)
+        run.bind_blocks([("n", [8, 9], 0)], [])
+        assert run.slot("n") == first
+        run.cache.audit()
+    finally:
+        run.close()
