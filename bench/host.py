@@ -60,10 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fence-lag", type=argtypes.non_negative_int, default=0,
                         help="with --prefix-caching: engine steps the device trails the host (1: "
                              "vLLM's async scheduling); counts the fences the host had to wait for")
+    parser.add_argument("--fence-policy", choices=("retire", "wait"), default="retire",
+                        help="with --fence-lag: a released slot's pages whose fence is pending are "
+                             "handed on at once and unmapped once it completes (retire: vLLM's GPU "
+                             "runner, stream_ordered) or the host waits for the fence first (wait)")
 
 
 def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = False,
-             blocks: int | None = None, driver=None):
+             blocks: int | None = None, driver=None, stream_ordered: bool = True):
     """Llama-3-8B's page arithmetic (G=4: 128 tokens per 2 MiB page-set row) on CUDA; on the host
     backend the same 128 tokens per page with 1 KV head of 64 fp32 values and 256 KiB pages (16
     fp16 values and 32 KiB pages with prefix caching, whose workloads hold more tokens).
@@ -78,7 +82,8 @@ def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = Fa
     pages_per_set = 32 // 4
     blocks = batch * context // block + 1 if blocks is None else blocks
     cfg = KVCacheConfig(num_layers=32, num_kv_heads=heads, head_dim=dim, dtype=dtype, max_slots=batch,
-                        max_context=context, group_size=4, page_budget=blocks * pages_per_set * page, page_bytes=page, device=device, map_ahead_tokens=0)
+                        max_context=context, group_size=4, page_budget=blocks * pages_per_set * page, page_bytes=page, device=device, map_ahead_tokens=0,
+                        stream_ordered=stream_ordered)
     check_fits(f"{batch} requests of {max_len} tokens", cfg.page_budget, device,
                hint="lower --batch, --prompt or --new")
     names = [f"model.layers.{i}.self_attn.attn" for i in range(32)]
@@ -187,7 +192,7 @@ def run_prefix(args) -> int:
     if args.max_num_seqs is not None and not scheduled:
         raise ConfigError("--max-num-seqs needs the scheduler: give --pool-fraction below 1 or --fence-lag")
     rt = _runtime(args.device, seqs, args.max_model_len or longest, prefix_caching=True,
-                  blocks=blocks, driver=fences)
+                  blocks=blocks, driver=fences, stream_ordered=args.fence_policy == "retire")
     try:
         pool = PrefixBlockPool(blocks, rt.block_size)
         prompts = prompts_for(args.workload, batch=args.batch, prompt=args.prompt, shared=args.shared)
@@ -216,7 +221,7 @@ def run_prefix(args) -> int:
           f"generation, {args.device} backend"
           + (f"; a pool of {blocks} blocks ({args.pool_fraction:g} of the {whole} the whole run would "
              f"hold: vLLM-like scheduling with preemption), the device {args.fence_lag} step(s) behind "
-             "the host" if scheduled else "")
+             f"the host, fence policy {args.fence_policy}" if scheduled else "")
           + "; over the run the block pool handed out "
           f"{pool.new_blocks + pool.hit_blocks} blocks, {pool.hit_blocks} of them hits):\n\n" + "\n".join(rows) + "\n")
     print(md)
@@ -224,10 +229,11 @@ def run_prefix(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"args": {k: getattr(args, k) for k in ("device", "batch", "prompt", "new", "workload",
                                                                "shared", "generations", "pool_fraction",
-                                                               "fence_lag", "max_model_len", "max_num_seqs")},
+                                                               "fence_lag", "fence_policy", "max_model_len",
+                                                               "max_num_seqs")},
                        "generations": runs}, f, indent=1)
     if not args.no_report:
-        pressure = (f", pool {args.pool_fraction:g}, device lag {args.fence_lag}"
+        pressure = (f", pool {args.pool_fraction:g}, device lag {args.fence_lag}, {args.fence_policy}"
                     + (f", max_num_seqs {args.max_num_seqs}" if args.max_num_seqs else "")
                     + (f", max_model_len {args.max_model_len}" if args.max_model_len else "")) if scheduled else ""
         write_section(f"host work with prefix caching, {args.workload}{pressure} ({args.device})", md, command_line(),

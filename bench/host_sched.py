@@ -21,7 +21,7 @@ from .prefix_pool import PrefixBlockPool
 
 __all__ = ["scheduled_generation", "SCHED_COUNTED"]
 
-SCHED_COUNTED = COUNTED + ("pages_mapped_on_demand", "steps", "preemptions")
+SCHED_COUNTED = COUNTED + ("pages_mapped_on_demand", "pages_retired", "steps", "preemptions")
 
 
 class _Req:
@@ -108,7 +108,7 @@ def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], ne
         if fences is not None:
             fences.tick()
     after = rt.cache.metrics()
-    spent["calls"] = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTED + ("pages_mapped_on_demand",)}
+    spent["calls"] = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTED + ("pages_mapped_on_demand", "pages_retired")}
     spent["calls"]["fence_waits"] = (fences.waits - waits0) if fences is not None else spent["calls"]["fence_waits"]
     spent["calls"]["steps"], spent["calls"]["preemptions"] = steps, preemptions
     return spent

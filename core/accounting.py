@@ -44,7 +44,8 @@ def gauges(st: CacheState) -> dict:
             "pages_mapped": pool.num_used, "active_slots": int(active.sum()),
             "warm_bytes": warm, "waste_bytes": held_active - used,
             "mapped_bytes": pool.num_used * lay.page_bytes,
-            "keys_held": len(st.keys), "pages_bound": int(st.pages.bound.sum())}
+            "keys_held": len(st.keys), "pages_bound": int(st.pages.bound.sum()),
+            "retired_mappings": st.pages.retired.count()}
 
 
 def audit(st: CacheState) -> None:
@@ -55,6 +56,11 @@ def audit(st: CacheState) -> None:
             if -1 in pids and pids.index(-1) < pages.num_accessible[slot][rng]:
                 raise VattnError(f"slot {slot} range {rng}: a hole below its accessible pages "
                                  f"(a failed remap left position {pids.index(-1)} unmapped)")
+    for slot, (_, spots) in pages.retired.items():
+        for rng, index in spots:
+            if index < len(pages.mapped[slot][rng]):
+                raise VattnError(f"slot {slot} range {rng}: position {index} is recorded as mapped "
+                                 "and as retired (its old mapping not yet unmapped)")
     mapped = np.fromiter((pid for ranges in pages.mapped for pids in ranges for pid in pids if pid >= 0),
                          dtype=np.int64)
     count = np.bincount(mapped, minlength=pool.num_pages)

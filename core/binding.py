@@ -174,8 +174,9 @@ class Binding:
         table, pages, n = st.slots, st.pages, st.config.max_slots
         room = pages.usable_n[:n] < st.layout.pages_per_slot
         room[avoid] = False
-        if table.inflight:
-            room[[s for s in table.inflight if s < n]] = False
+        busy = [s for s in (*table.inflight, *pages.retired) if s < n]
+        if busy:                                      # being mapped, or old mappings on a fence
+            room[busy] = False
         cands = np.flatnonzero(room)
         order = np.lexsort((table.released_at[cands], table.active[cands]))
         # only a slot mapped evenly: after a failed driver call a range may hold pages above

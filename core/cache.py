@@ -414,6 +414,8 @@ class VirtualKVCache:
                     fence.wait()
             if self.driver.device.type == "cuda":
                 torch.cuda.synchronize(self.driver.device)
+            for slot in list(self._pages.retired):
+                self._pages.retired.flush(slot, wait=True)
             self._space.drop_views()
             self._keys.clear()
             for slot in range(self.layout.num_va_slots):

@@ -53,6 +53,12 @@ class KVCacheConfig:
         Tokens beyond each running slot's length that a background worker maps ahead when
         :meth:`~vattn.core.VirtualKVCache.step` is called (default 0: off, no thread; engines
         whose requests grow step by step turn it on).
+    stream_ordered : bool
+        ``True`` when all device work the caller's thread enqueues after
+        :meth:`~vattn.core.VirtualKVCache.release` is ordered after that release's fence (one
+        stream for the KV, as vLLM's GPU runner uses). Reclaim then hands a released slot's pages
+        to another request without waiting for the fence (its old mapping is unmapped once the
+        fence completes): no host wait under memory pressure. Default ``False``: reclaim waits.
     """
 
     num_layers: int
@@ -68,6 +74,7 @@ class KVCacheConfig:
     scrub: str = "tenant"
     device: str | torch.device = "cpu"
     map_ahead_tokens: int = 0
+    stream_ordered: bool = False
 
     def __post_init__(self):
         if self.group_size is None and isinstance(self.num_layers, int) and self.num_layers > 0:
@@ -91,6 +98,8 @@ class KVCacheConfig:
             raise ConfigError(f"scrub must be one of {SCRUB_POLICIES}, got {self.scrub!r}")
         if not isinstance(self.map_ahead_tokens, int) or self.map_ahead_tokens < 0:
             raise ConfigError(f"map_ahead_tokens must be an int >= 0, got {self.map_ahead_tokens!r}")
+        if not isinstance(self.stream_ordered, bool):
+            raise ConfigError(f"stream_ordered must be a bool, got {self.stream_ordered!r}")
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:

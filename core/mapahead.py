@@ -95,9 +95,10 @@ class MapAhead:
             slot = next(iter(self.jobs))
             target = self.jobs[slot]
             have = pages.usable(slot)
-            if not slots.active[slot] or have >= target or not pages.mapped_evenly(slot):
-                del self.jobs[slot]            # done, gone, or left half-mapped by a fault
-                continue
+            if (not slots.active[slot] or have >= target or not pages.mapped_evenly(slot)
+                    or slot in pages.retired):
+                del self.jobs[slot]            # done, gone, left half-mapped by a fault, or its
+                continue                       # old mappings wait on a fence (ensure flushes them)
             pids = self.take(pages.num_ranges)
             if pids is None:                   # nothing free, nothing idle to take: stop guessing
                 self.jobs.clear()

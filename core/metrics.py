@@ -59,6 +59,7 @@ class Counters:
     driver_faults: int = 0
     undo_faults: int = 0              # of those, failures while undoing a failed replacement
     fence_waits: int = 0              # reclaim or bind had to block on a fence
+    pages_retired: int = 0            # reclaimed without waiting: old mapping unmapped after its fence
     pages_aliased: int = 0            # pages mapped from a bound block key (prefix sharing)
     keys_bound: int = 0               # bind(): fresh page-sets named by an engine block key
     prefix_hits: int = 0              # bind(): page-sets taken from a key (hits), mapped or in place

@@ -57,6 +57,9 @@ class PagePool:
             raise
         self.tenant: list = [FRESH] * num_pages
         self._free = deque(range(num_pages))
+        #: free pages whose old mapping the device may still read: ``(page, fence)``, usable only
+        #: by work ordered after the fence (the engine thread's stream), see ``give(fence=)``
+        self._fenced: deque = deque()
         self.refs = np.zeros(num_pages, dtype=np.int32)   # mappings + bound keys; 0 <=> free
 
     @property
@@ -65,17 +68,27 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
+        return len(self._free) + len(self._fenced)
+
+    @property
+    def num_unfenced(self) -> int:
+        """Free pages nothing may still read (after moving those whose fence completed)."""
+        self._settle()
         return len(self._free)
 
     @property
     def num_used(self) -> int:
         return self.num_pages - self.num_free
 
-    def take(self, n: int) -> list[int] | None:
-        """Take ``n`` free pages (all or none), one reference each; ``None`` when fewer are free."""
-        if n > len(self._free):
+    def take(self, n: int, *, unfenced: bool = False) -> list[int] | None:
+        """Take ``n`` free pages (all or none), one reference each; ``None`` when fewer are free.
+        ``unfenced``: only pages nothing may still read (for work not ordered after the fences
+        of ``give(fence=)``, e.g. another thread's stream)."""
+        if unfenced:
+            self._settle()
+        if n > (len(self._free) if unfenced else self.num_free):
             return None
-        ids = [self._free.popleft() for _ in range(n)]
+        ids = [self._free.popleft() if self._free else self._fenced.popleft()[0] for _ in range(n)]
         self.refs[ids] = 1
         return ids
 
@@ -86,18 +99,28 @@ class PagePool:
                 raise ConfigError(f"page {i} is free: it cannot gain a reference")
             self.refs[i] += 1
 
-    def give(self, ids) -> int:
+    def give(self, ids, *, fence=None) -> int:
         """Drop one reference to each page; a page whose last reference goes returns to the free
-        list (most recently used first out: warm in caches). Returns the pages freed."""
+        list (most recently used first out: warm in caches). ``fence``: the device may read the
+        page through an old mapping until it completes (see :meth:`take`). Returns the pages
+        freed."""
         freed = 0
+        fenced = fence is not None and not fence.done()
         for i in ids:
             if self.refs[i] <= 0:
                 raise ConfigError(f"page {i} returned to the pool twice")
             self.refs[i] -= 1
             if not self.refs[i]:
-                self._free.appendleft(i)
+                if fenced:
+                    self._fenced.append((i, fence))
+                else:
+                    self._free.appendleft(i)
                 freed += 1
         return freed
+
+    def _settle(self) -> None:
+        while self._fenced and self._fenced[0][1].done():
+            self._free.append(self._fenced.popleft()[0])
 
     def is_free(self, page: int) -> bool:
         return not self.refs[page]
@@ -105,6 +128,7 @@ class PagePool:
     def close(self) -> None:
         self._release_all()
         self._free.clear()
+        self._fenced.clear()
 
     def _release_all(self) -> None:
         while self.handles:                 # one at a time: a failed release can be retried

@@ -22,6 +22,7 @@ from .errors import DriverError
 from .layout import KVLayout
 from .metrics import Counters
 from .pages import PagePool
+from .retired import RetiredMappings
 
 __all__ = ["SlotPages", "PendingSet"]
 
@@ -58,6 +59,8 @@ class SlotPages:
         self.usable_n = np.zeros(n, dtype=np.int64)     # == usable(slot), for vectorised queries
         self.bound = np.zeros(pool.num_pages, dtype=bool)  # page held by a block key (shared)
         self.holes: set[int] = set()    # slots with a -1 left by a failed replacement (heal())
+        #: old mappings of pages reclaimed before their fence completed (unmapped once it has)
+        self.retired = RetiredMappings(self)
 
     def refresh(self, slot: int) -> None:
         """Recompute ``cap_tokens[slot]`` / ``usable_n[slot]`` after its pages changed."""
@@ -112,6 +115,7 @@ class SlotPages:
         if not 0 <= num_sets <= self.layout.pages_per_slot:   # beyond: another slot's region
             raise ValueError(f"slot {slot} can hold at most {self.layout.pages_per_slot} page-sets, "
                              f"asked to grow to {num_sets}")
+        self.retired.flush(slot, wait=True)
         self.heal(slot)
         need = self.missing(slot, num_sets)
         if need > self.pool.num_free:
@@ -156,7 +160,7 @@ class SlotPages:
             start = time.perf_counter()
             if pages[-1] >= 0:                  # -1: a hole left by a failed remap, not mapped
                 self.counters.unmap_calls += 1
-                self._call("unmap", self.va(rng, slot, len(pages) - 1), self.layout.page_bytes)
+                self.call("unmap", self.va(rng, slot, len(pages) - 1), self.layout.page_bytes)
                 freed += self.pool.give([pages[-1]])
             pages.pop()
             self.held_n[slot] -= 1
@@ -187,6 +191,7 @@ class SlotPages:
             A VMM call failed; the record stays exact (a position either keeps its old page or
             has the new one; access is re-granted on retry) and the call can be retried.
         """
+        self.retired.flush(slot, wait=True)
         self.heal(slot)
         end = index + len(sets)
         if not 0 <= index <= self.usable(slot) or end > self.layout.pages_per_slot:
@@ -211,7 +216,7 @@ class SlotPages:
             old = pages[i] if i < len(pages) else -1
             if old >= 0:
                 self.counters.unmap_calls += 1
-                self._call("unmap", va, page_bytes)
+                self.call("unmap", va, page_bytes)
                 pages[i] = -1                   # unmapped: a failure below leaves no stale id
             self.counters.map_calls += 1
             try:
@@ -230,7 +235,7 @@ class SlotPages:
             else:
                 pages[i] = pid
         self.counters.set_access_calls += 1
-        self._call("set_access", self.va(rng, slot, index), len(pids) * page_bytes)
+        self.call("set_access", self.va(rng, slot, index), len(pids) * page_bytes)
         self.num_accessible[slot][rng] = max(prev, index + len(pids))
         self._restore_access(slot, rng)         # mapped but never accessible pages above
         return freed
@@ -277,11 +282,11 @@ class SlotPages:
         pages, first = self.mapped[slot][rng], self.num_accessible[slot][rng]
         if first < len(pages):
             self.counters.set_access_calls += 1
-            self._call("set_access", self.va(rng, slot, first), (len(pages) - first) * self.layout.page_bytes)
+            self.call("set_access", self.va(rng, slot, first), (len(pages) - first) * self.layout.page_bytes)
             self.num_accessible[slot][rng] = len(pages)
         return first
 
-    def _call(self, name: str, *args) -> None:
+    def call(self, name: str, *args) -> None:
         """One driver call; a failure is counted and re-raised (the caller's record stays exact)."""
         try:
             getattr(self.driver, name)(*args)

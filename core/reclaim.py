@@ -78,18 +78,21 @@ class Reclaim:
         reach free-able page-sets below them."""
         st, freed = self.state, 0
         slots, keeps = self.victims(protect, idle_only=idle_only)
+        retire = block and st.config.stream_ordered
         for only_free in ((True, False) if len(st.keys) else (False,)):
             for wait in ((False, True) if block else (False,)):   # finished fences first, then wait
                 for slot, keep in zip(slots.tolist(), keeps.tolist()):
                     if freed >= want:
                         return freed
                     fence = st.slots.fence[slot]
-                    if not wait and fence is not None and not fence.done():
+                    pending = fence is not None and not fence.done()
+                    if pending and not wait:
                         continue
-                    st.wait_fence(slot)
+                    if pending and not retire:
+                        st.wait_fence(slot)
                     if only_free:
                         keep = max(keep, self._shared_top(slot))
-                    freed += self._trim_for(slot, keep, want - freed)
+                    freed += self._trim_for(slot, keep, want - freed, fence if pending and retire else None)
         return freed
 
     def take_unfenced(self, num: int) -> list[int] | None:
@@ -97,19 +100,20 @@ class Reclaim:
         released longest ago (never from a running request, never waiting on a fence): how the
         map-ahead worker takes the pages an even pre-warm left on slots nobody uses."""
         pool = self.state.pool
-        pids = pool.take(num)
-        if pids is None and self.reclaim(num - pool.num_free, {}, idle_only=True, block=False):
-            pids = pool.take(num)
+        pids = pool.take(num, unfenced=True)
+        if pids is None and self.reclaim(num - pool.num_unfenced, {}, idle_only=True, block=False):
+            pids = pool.take(num, unfenced=True)
         return pids
 
-    def _trim_for(self, slot: int, keep: int, want: int) -> int:
+    def _trim_for(self, slot: int, keep: int, want: int, fence=None) -> int:
         """Unmap ``slot``'s page-sets from the top, not below ``keep``, until ``want`` pages are
-        freed; returns the pages freed."""
+        freed (``fence``: a pending one, retire instead: :class:`~.retired.RetiredMappings`); returns the
+        pages freed."""
         pages, ranges, freed = self.state.pages, self.state.layout.num_ranges, 0
         held_sets = max(map(len, pages.mapped[slot]))
         while freed < want and held_sets > keep:
             held_sets = max(keep, held_sets - -(-(want - freed) // ranges))
-            freed += pages.trim(slot, held_sets)
+            freed += pages.trim(slot, held_sets) if fence is None else pages.retired.retire(slot, held_sets, fence)
         return freed
 
     def _shared_top(self, slot: int) -> int:

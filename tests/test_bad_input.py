@@ -239,6 +239,8 @@ CASES = [
          "scrub must be one of", lambda: _config(scrub="sometimes")),
     Case("config-map-ahead-negative", "KVCacheConfig", "map_ahead_tokens=-1", ConfigError,
          "map_ahead_tokens must be an int >= 0", lambda: _config(map_ahead_tokens=-1)),
+    Case("config-stream-ordered-not-bool", "KVCacheConfig", 'stream_ordered="yes"', ConfigError,
+         "stream_ordered must be a bool", lambda: _config(stream_ordered="yes")),
     Case("config-device-tpu", "KVCacheConfig", 'device="tpu"', ConfigError,
          "device must be 'cpu' or 'cuda[:N]'", lambda: _config(device="tpu")),
     # -- VirtualKVCache(config), get_driver ----------------------------------------------------------

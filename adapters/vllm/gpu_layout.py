@@ -120,7 +120,10 @@ def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
     pool with ``torch.zeros``; FA3 reads whole tiles, so a page must never hold NaN garbage), and
     not again when a slot is reused; with the pre-warm that zeroing happens at start.
     ``exact``: reserve :data:`EXACT_MARGIN` spare rows per slot (address space only) for the
-    exact kernel path.
+    exact kernel path. On CUDA the cache is ``stream_ordered``: vLLM writes and reads KV on the
+    runner's one stream, where vattn records each release's fence, so under memory pressure a
+    released slot's pages go to a growing request without the host waiting for the step in
+    flight (their old mapping is unmapped once it completes).
     """
     group = group_size_for(num_layers) if group_size is None else group_size
     block = tokens_per_page(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, group_size=group)
@@ -130,7 +133,8 @@ def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
     return KVCacheConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          dtype=dtype, max_slots=max_num_reqs, max_context=max_context,
                          group_size=group, page_budget=num_blocks * page_set, page_bytes=PAGE_BYTES,
-                         device=device, map_ahead_tokens=block)
+                         device=device, map_ahead_tokens=block,
+                         stream_ordered=torch.device(device).type == "cuda")
 
 
 def check_engine_config(vllm_config) -> None:

@@ -62,7 +62,7 @@ _INNER_CALLS = {"vllm": {"ensure": "ensure_us", "map_incl_prewarm": "map_page_us
 _STEP_CALL = {"vllm": "apply_step_us", "sglang": "alloc_decode_us"}
 #: the core's page events, copied as they are
 _COUNTERS = ("pages_mapped_on_demand", "map_calls", "unmap_calls", "set_access_calls", "fence_waits",
-             "warm_hits", "prefix_hits", "pages_aliased", "keys_bound", "page_sets_moved", "keys_held",
+             "pages_retired", "warm_hits", "prefix_hits", "pages_aliased", "keys_bound", "page_sets_moved", "keys_held",
              "slot_mapping", "layout",
              # SGLang: host waits for the device before a forward, hit copies waited for, retries
              "device_reads", "hit_copy_waits", "driver_retries",

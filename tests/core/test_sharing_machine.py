@@ -35,13 +35,14 @@ T = 128                                        # tokens per page-set
 
 class SharingMachine(RuleBasedStateMachine):
     totals: dict = {}
+    stream_ordered = False             # reclaim waits on fences (True: retires, see the lag machine)
 
     def __init__(self):
         super().__init__()
         self.cache = make_cache(num_layers=1, group_size=1, split_kv=True, num_kv_heads=1,
                                 head_dim=PAGE // 256, page_bytes=PAGE, page_budget=2 * SETS * PAGE,
                                 max_context=6 * T, max_slots=SLOTS, map_ahead_tokens=T,
-                                driver=self.make_driver())
+                                stream_ordered=self.stream_ordered, driver=self.make_driver())
         self.cache.prewarm(T)          # as the engines do: loose page-sets mapped in idle slots
         k, v = self.cache.k(0).view(torch.int16), self.cache.v(0).view(torch.int16)
         self.kv = k.as_strided((2, *k.shape), (v.storage_offset() - k.storage_offset(), *k.stride())).numpy()
@@ -59,7 +60,8 @@ class SharingMachine(RuleBasedStateMachine):
 
     def teardown(self):
         m = self.cache.metrics()
-        for name in ("prefix_hits", "pages_aliased", "keys_bound", "fence_waits", "page_sets_moved"):
+        for name in ("prefix_hits", "pages_aliased", "keys_bound", "fence_waits", "page_sets_moved",
+                     "pages_retired"):
             SharingMachine.totals[name] = SharingMachine.totals.get(name, 0) + m[name]
         SharingMachine.totals["evicting"] = SharingMachine.totals.get("evicting", 0) + (not self.never_used)
         self.kv = None

@@ -1,0 +1,81 @@
+"""Prefix sharing with the device trailing the host (``LaggingFences``: a released slot's fence
+completes only some engine steps later, as under vLLM's async scheduling) and
+``stream_ordered=True``: reclaim hands a released slot's pages to another request without
+waiting for the fence and unmaps their old mapping once it completes (``SlotPages.retire`` /
+``flush``).
+
+Besides :class:`SharingMachine`'s invariants (audit, every running request reads its blocks'
+values), after every rule the host driver maps exactly what the record says: each recorded page
+at its address, each retired position still mapped (its fence pending), nothing else; the map-
+ahead worker never takes a page whose old mapping may still be read. With driver faults too
+(an unmap failing while the old mappings are flushed): retried, nothing leaked or corrupted.
+"""
+
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, rule
+
+from vattn.core.driver import HostDriver
+from vattn.core.driver.faults import FaultInjector
+from vattn.core.driver.lag import LaggingFences
+
+from tests.core.test_sharing_faults_machine import FaultySharingMachine
+from tests.core.test_sharing_machine import PAGE, SharingMachine, run_machine
+
+
+def _check_driver(cache, host: HostDriver) -> None:
+    pages, pool = cache._pages, cache._pool
+    want = {}
+    for slot, ranges in enumerate(pages.mapped):
+        for rng, pids in enumerate(ranges):
+            for index, pid in enumerate(pids):
+                if pid >= 0:
+                    want[pages.va(rng, slot, index)] = pool.handles[pid]
+    retired = {pages.va(rng, slot, index) for slot, (_, spots) in pages.retired.items()
+               for rng, index in spots}
+    assert not retired & set(want), "a retired position is recorded as mapped too"
+    assert all(host.mapped_handle(va) == h for va, h in want.items()), "the driver maps other pages"
+    extra = set(host._mapped) - set(want)
+    assert extra == retired, f"mapped but neither recorded nor retired: {len(extra - retired)}, " \
+                             f"retired but not mapped: {len(retired - extra)}"
+
+
+class _Lagging:
+    stream_ordered = True
+
+    def _lagging(self, inner) -> LaggingFences:
+        self.device = LaggingFences(inner, lag=2)
+        return self.device
+
+    @rule(n=st.integers(1, 3))
+    def device_step(self, n):
+        """The device finishes ``n`` more engine steps."""
+        for _ in range(n):
+            self.device.tick()
+
+    @invariant()
+    def driver_maps_the_record(self):
+        _check_driver(self.cache, self.host)
+
+
+class LaggingSharingMachine(_Lagging, SharingMachine):
+    def make_driver(self):
+        self.host = HostDriver(granularity=PAGE)
+        return self._lagging(self.host)
+
+
+class LaggingFaultySharingMachine(_Lagging, FaultySharingMachine):
+    def make_driver(self):
+        self.host = HostDriver(granularity=PAGE)
+        self.driver = FaultInjector(self.host)
+        self.kills = 0
+        return self._lagging(self.driver)
+
+
+def test_sharing_with_a_lagging_device_retires_instead_of_waiting():
+    t = run_machine(LaggingSharingMachine, steps=120)
+    assert t["pages_retired"] > 100 and t["prefix_hits"] > 100 and t["page_sets_moved"] > 10, t
+
+
+def test_sharing_with_a_lagging_device_and_driver_faults():
+    t = run_machine(LaggingFaultySharingMachine, steps=80)
+    assert t["pages_retired"] > 50 and t["kills"] > 20, t
