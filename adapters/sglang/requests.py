@@ -35,6 +35,7 @@ whose request ids are unknown, hit page ids not copied at row allocation: ``devi
 from __future__ import annotations
 
 import time
+from operator import itemgetter
 
 import numpy as np
 import torch
@@ -235,9 +236,10 @@ class RowSlots:
     def _rows_of_rids(self, rids) -> np.ndarray | None:
         if rids is None:
             return None
-        try:
-            return np.fromiter((self._row_of_rid[rid] for rid in rids), dtype=np.int64,
-                               count=len(rids))
+        if not rids:
+            return np.empty(0, dtype=np.int64)
+        try:       # one C-level lookup of every id (a generator costs ~7x as much per decode step)
+            return np.array(itemgetter(*rids)(self._row_of_rid), dtype=np.int64, ndmin=1)
         except KeyError:
             return None
 
