@@ -60,6 +60,9 @@ class PagePool:
         #: free pages whose old mapping the device may still read: ``(page, fence)``, usable only
         #: by work ordered after the fence (the engine thread's stream), see ``give(fence=)``
         self._fenced: deque = deque()
+        #: used pages an old mapping of which the device may still read: page -> that fence (a
+        #: page freed later, while it is pending, goes to ``_fenced`` too)
+        self._until: dict[int, object] = {}
         self.refs = np.zeros(num_pages, dtype=np.int32)   # mappings + bound keys; 0 <=> free
 
     @property
@@ -105,17 +108,23 @@ class PagePool:
         page through an old mapping until it completes (see :meth:`take`). Returns the pages
         freed."""
         freed = 0
-        fenced = fence is not None and not fence.done()
+        if fence is not None and fence.done():
+            fence = None
         for i in ids:
             if self.refs[i] <= 0:
                 raise ConfigError(f"page {i} returned to the pool twice")
             self.refs[i] -= 1
-            if not self.refs[i]:
-                if fenced:
-                    self._fenced.append((i, fence))
-                else:
-                    self._free.appendleft(i)
-                freed += 1
+            older = self._until.pop(i, None)
+            until = older if fence is None else fence     # a newer fence completes after an older one
+            if self.refs[i]:
+                if until is not None:
+                    self._until[i] = until         # still used elsewhere: the fence stays with it
+                continue
+            if until is not None and not until.done():
+                self._fenced.append((i, until))
+            else:
+                self._free.appendleft(i)
+            freed += 1
         return freed
 
     def _settle(self) -> None:
@@ -129,6 +138,7 @@ class PagePool:
         self._release_all()
         self._free.clear()
         self._fenced.clear()
+        self._until.clear()
 
     def _release_all(self) -> None:
         while self.handles:                 # one at a time: a failed release can be retried

@@ -114,3 +114,22 @@ def test_close_unmaps_retired_mappings_and_the_flag_is_checked():
     assert not host._mapped
     with pytest.raises(ConfigError, match="stream_ordered must be a bool"):
         make_cache(stream_ordered="yes")
+
+
+def test_a_page_still_used_elsewhere_keeps_its_fence_until_it_is_freed():
+    # a retired page another mapping or a key still holds is not free yet; when that last
+    # reference goes while the fence is pending, it must not reach the unfenced free list
+    device = LaggingFences(HostDriver(granularity=SMALL_PAGE), lag=1)
+    pool = PagePool(device, page_bytes=SMALL_PAGE, num_pages=2)
+    try:
+        a, b = pool.take(2)
+        pool.ref([a])                                        # a: two references (a key, say)
+        fence = device.record_fence()
+        assert pool.give([a, b], fence=fence) == 1           # b freed (fenced), a still held
+        assert pool.give([a]) == 1                           # the key goes: a freed, still fenced
+        assert pool.num_free == 2 and pool.num_unfenced == 0
+        device.tick()
+        assert pool.num_unfenced == 2 and pool.take(2, unfenced=True) is not None
+        assert pool.give([a]) == 1 and pool.num_unfenced == 1   # no stale fence left behind
+    finally:
+        pool.close()
