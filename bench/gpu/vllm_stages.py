@@ -10,7 +10,10 @@
   unless ``VATTN_IDENTITY_EAGER=1``, the engine core in the worker process unless
   ``VATTN_IDENTITY_INPROC=0`` (vLLM's engine loop steps as soon as it holds a request, so with
   an engine process of its own the first batches depend on when the prompts reach it; run so,
-  stock against a second stock engine was exact on 4 of 16 prompts, 2026-12-04); every mode
+  stock against a second stock engine was exact on 4 of 16 prompts, 2026-12-04),
+  ``VATTN_IDENTITY_KV_BYTES=N`` gives every mode N bytes of KV (vLLM's
+  ``kv_cache_memory_bytes``; e.g. 167772160, ~5K tokens of this model, for memory pressure:
+  vLLM preempts, vattn retires pages of just-released slots); every mode
   judged against stock by
   :func:`vattn.conformance.identity.compare`, and ``vattn`` against ``ceiling`` (both run FA3's
   TMA prefill path, stock and ``vattn-exact`` its non-TMA one: see
@@ -119,13 +122,19 @@ def stage_identity(args) -> dict:
     # in-process engine core: every prompt is queued before the first step, so the batches (and
     # the chunking of each prompt) do not depend on when requests reach a separate engine process
     inproc = os.environ.get("VATTN_IDENTITY_INPROC", "1") == "1"
+    # memory pressure: the same KV bytes for every mode, too few for the batch, so vLLM preempts
+    # and vattn hands pages of just-released slots on before their fence (stream_ordered)
+    kv_bytes = int(os.environ.get("VATTN_IDENTITY_KV_BYTES", "0"))
     runner = make_runner(args.out, "identity", 8, env_modes("VATTN_IDENTITY_MODES",
                                                             "stock vattn-exact vattn ceiling"),
                          enforce_eager=eager,
                          engine_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if inproc else None,
-                         prefix_caching=_sizing()["prefix_caching"] if shared else False)
+                         prefix_caching=_sizing()["prefix_caching"] if shared else False,
+                         **({"llm_kwargs": {"kv_cache_memory_bytes": kv_bytes}} if kv_bytes else {}))
     results, errors = run_modes(runner, model, prompts, 48, logprobs=5)
     report = {"eager": eager, "inproc": inproc, "shared_prefixes": shared, "errors": errors,
+              "kv_cache_memory_bytes": kv_bytes or None,
+              "num_gpu_blocks": {m: r.extra.get("num_gpu_blocks") for m, r in results.items()},
               "modes": list(results), "ok": not errors}
     if "stock" in results:
         report["not_degenerate"] = check_not_degenerate(results["stock"].token_ids)

@@ -18,6 +18,7 @@
 #                    throughput workload (default 480 s; long-context with three modes took 338 s
 #                    on a machine already up, give it up to 585 on a fresh one)
 #   VATTN_MODES / VATTN_IDENTITY_MODES / VATTN_IDENTITY_EAGER / VATTN_IDENTITY_INPROC /
+#   VATTN_IDENTITY_KV_BYTES (memory pressure: the same KV bytes for every mode) /
 #   VATTN_GROUP_SIZE / VATTN_REPEATS /
 #   VATTN_CUDAGRAPH_MODE (e.g. PIECEWISE, all modes alike): see bench/gpu/vllm_stages.py
 # Measured on the H200 (2026-12-04; engine start 45-55 s for the 8B shape with torch.compile +
