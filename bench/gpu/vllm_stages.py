@@ -59,10 +59,14 @@ IDENTITY_MODEL = IDENTITY_MODELS["vllm"]
 
 def make_runner(out: str, tag: str, max_num_seqs: int, modes, *, engine_env=None, **engine_args):
     """A GPU :class:`VllmRunner` of ``modes`` logging to ``out/logs``; ``VATTN_CUDAGRAPH_MODE``
-    (e.g. ``PIECEWISE``) sets vLLM's ``cudagraph_mode`` of every mode, ``VATTN_RUN_TIMEOUT``
-    (default 420 s) caps one engine run."""
+    (e.g. ``PIECEWISE``) sets vLLM's ``cudagraph_mode`` of every mode, ``VATTN_TP`` its
+    ``tensor_parallel_size`` (a machine with that many GPUs), ``VATTN_RUN_TIMEOUT`` (default
+    420 s) caps one engine run."""
     if os.environ.get("VATTN_CUDAGRAPH_MODE"):   # e.g. PIECEWISE, to rule out FULL graphs
         engine_args["compilation_config"] = {"cudagraph_mode": os.environ["VATTN_CUDAGRAPH_MODE"]}
+    tp = int(os.environ.get("VATTN_TP", "1"))
+    if tp != 1:                                  # tensor parallelism: every mode alike
+        engine_args["llm_kwargs"] = {**engine_args.get("llm_kwargs", {}), "tensor_parallel_size": tp}
     return VllmRunner(device="cuda", max_num_seqs=max_num_seqs, timeout_s=float(os.environ.get(
         "VATTN_RUN_TIMEOUT", 420)), engine_args=engine_args, modes=tuple(modes),
         log_dir=os.path.join(out, "logs"), tag=tag, engine_env=engine_env)

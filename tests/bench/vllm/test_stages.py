@@ -257,3 +257,13 @@ def test_identity_under_memory_pressure_gives_every_mode_the_same_kv_bytes(monke
     assert seen[0]["llm_kwargs"] == {"kv_cache_memory_bytes": 160 << 20}
     assert report["ok"] and report["kv_cache_memory_bytes"] == 160 << 20
     assert report["num_gpu_blocks"] == {"stock": 304, "vattn": 19}
+
+
+def test_vattn_tp_sets_tensor_parallelism_for_every_mode(monkeypatch, tmp_path):
+    from vattn.bench.gpu import vllm_stages
+    monkeypatch.setenv("VATTN_TP", "2")
+    runner = vllm_stages.make_runner(str(tmp_path), "t", 8, ("stock", "vattn"),
+                                     llm_kwargs={"kv_cache_memory_bytes": 1 << 30})
+    assert runner.engine_args["llm_kwargs"] == {"kv_cache_memory_bytes": 1 << 30, "tensor_parallel_size": 2}
+    monkeypatch.delenv("VATTN_TP")
+    assert "llm_kwargs" not in vllm_stages.make_runner(str(tmp_path), "t", 8, ("stock",)).engine_args
