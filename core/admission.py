@@ -25,6 +25,7 @@ class Admission:
     def acquire(self, tenant, expected_len: int, prefer) -> int:
         """:meth:`VirtualKVCache.acquire` with checked arguments."""
         st, table = self.state, self.state.slots
+        table.clock += 1
         need = st.layout.pages_for(expected_len)
         idle = np.flatnonzero(~table.active[:st.config.max_slots])
         if not idle.size:
@@ -58,7 +59,6 @@ class Admission:
         table = self.state.slots
         table.fence[slot] = fence
         table.active[slot] = False
-        table.clock += 1
         table.released_at[slot] = table.clock
 
     def _home_slot(self, key) -> int | None:

@@ -24,6 +24,7 @@ class Growth:
         """Grow every listed slot (checked, distinct) to its length; record the lengths of those
         that hold them; return the others."""
         st = self.state
+        st.slots.clock += 1
         if st.pages.retired:                          # old mappings whose fence has completed
             st.pages.retired.flush_done()
         short = lens > st.pages.cap_tokens[slots]

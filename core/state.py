@@ -35,6 +35,10 @@ class SlotTable:
         self.mixed: set[int] = set()    # slots that may map pages tagged with another tenant
         self.fence: list = [None] * n   # completes when the device is done with the last request
         self.released_at = np.zeros(n, dtype=np.int64)   # the clock at release (oldest first)
+        #: advances at every acquire and ensure, not at a release: the slots one run of releases
+        #: frees tie (then the lower slot first), whatever order the engine released them in —
+        #: engines hand finished requests over as sets, whose order differs from process to
+        #: process, and tensor-parallel ranks must place the same blocks alike
         self.clock = 0
         self.inflight: set[int] = set()  # slots the map-ahead worker is mapping into right now
 

@@ -161,12 +161,11 @@ class VattnRuntime:
     def finish(self, req_ids, *, finished=(), preempted=()) -> None:
         """Release the slots of requests that left (finished, aborted or preempted); those in
         ``finished`` are gone for good (their fault count is dropped too), ``preempted`` are
-        counted (``preemptions``: vLLM's own and those vattn asked for). Slots are released in
-        request-id order: vLLM hands these ids over as sets, whose order differs from process to
-        process (string hashing), and the release order decides which idle slot a later request
-        takes, so tensor-parallel ranks would place the same blocks differently."""
+        counted (``preemptions``: vLLM's own and those vattn asked for). vLLM hands the ids over
+        as sets (their order differs per process); the core makes the order of one run of
+        releases irrelevant (``SlotTable.clock``)."""
         self.counts["preemptions"] += len(preempted)
-        for req_id in sorted(req_ids):
+        for req_id in req_ids:
             self._slot_of.drop(req_id)
             self._blocks.pop(req_id, None)
             self._block_ids.pop(req_id, None)

@@ -314,3 +314,21 @@ def test_a_driver_passed_in_stays_open():
     with make_cache(driver=drv) as cache:                     # the same driver serves a second cache
         assert cache.ensure({cache.acquire(): 10}) == []
     drv.close()
+
+
+def test_one_run_of_releases_ties_whatever_its_order_and_older_runs_go_first():
+    """Releases between two acquire / ensure calls share a clock stamp (the lower slot first), so an
+    engine's set-ordered releases place requests alike on every rank; an earlier run stays older."""
+    def place(order):
+        with make_cache() as cache:
+            per = int(cache.layout.tokens_per_page)
+            slots = [cache.acquire() for _ in range(4)]
+            cache.ensure({s: per for s in slots})
+            cache.release(slots[3])                          # an earlier run: the oldest idle slot
+            cache.ensure({s: per for s in slots[:3]})
+            for i in order:
+                cache.release(slots[i])
+            return slots, [cache.acquire(expected_len=per) for _ in range(4)]
+    slots, got = place([0, 1, 2])
+    assert got == [slots[3], slots[0], slots[1], slots[2]]
+    assert place([2, 0, 1])[1] == got
