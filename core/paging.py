@@ -145,29 +145,40 @@ class SlotPages:
             self.refresh(slot)
             self.scrub_pages(slot, rng, range(first, len(pages)), tenant)
 
-    def trim(self, slot: int, num_sets: int) -> int:
+    def trim(self, slot: int, num_sets: int, *, fence=None) -> int:
         """Unmap page-sets beyond ``num_sets`` (the GPU must be done with them); returns pages
-        freed (a page shared with another mapping or held by a block key stays allocated)."""
+        freed (a page shared with another mapping or held by a block key stays allocated).
+        ``fence``: a pending one the device may still read them under; their old mappings are
+        retired instead (:class:`~.retired.RetiredMappings`: off the record, the pages back in the
+        pool fenced, unmapped once it completes)."""
         freed = 0
         for rng in range(len(self.bases)):
-            freed += self._trim_range(slot, rng, num_sets)
+            freed += self._trim_range(slot, rng, num_sets, fence)
         self.counters.pages_reclaimed += freed
         return freed
 
-    def _trim_range(self, slot: int, rng: int, num_sets: int) -> int:
+    def _trim_range(self, slot: int, rng: int, num_sets: int, fence=None) -> int:
         pages, freed = self.mapped[slot][rng], 0
         while len(pages) > num_sets:
-            start = time.perf_counter()
             if pages[-1] >= 0:                  # -1: a hole left by a failed remap, not mapped
-                self.counters.unmap_calls += 1
-                self.call("unmap", self.va(rng, slot, len(pages) - 1), self.layout.page_bytes)
-                freed += self.pool.give([pages[-1]])
+                if fence is None:
+                    self.unmap_at(rng, slot, len(pages) - 1)
+                else:
+                    self.retired.add(slot, rng, len(pages) - 1, fence)
+                freed += self.pool.give([pages[-1]], fence=fence)
             pages.pop()
             self.held_n[slot] -= 1
             self.num_accessible[slot][rng] = min(self.num_accessible[slot][rng], len(pages))
             self.refresh(slot)
-            self.counters.unmap_page_us.observe((time.perf_counter() - start) * 1e6)
         return freed
+
+    def unmap_at(self, rng: int, slot: int, index: int) -> None:
+        """Unmap page ``index`` of ``slot`` in ``rng`` (one timed, counted driver call; no record
+        touched)."""
+        start = time.perf_counter()
+        self.counters.unmap_calls += 1
+        self.call("unmap", self.va(rng, slot, index), self.layout.page_bytes)
+        self.counters.unmap_page_us.observe((time.perf_counter() - start) * 1e6)
 
     # -- one page-set at a given index (prefix sharing) ---------------------------------------
     def at(self, slot: int, index: int) -> tuple[int, ...] | None:

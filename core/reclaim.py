@@ -107,13 +107,12 @@ class Reclaim:
 
     def _trim_for(self, slot: int, keep: int, want: int, fence=None) -> int:
         """Unmap ``slot``'s page-sets from the top, not below ``keep``, until ``want`` pages are
-        freed (``fence``: a pending one, retire instead: :class:`~.retired.RetiredMappings`); returns the
-        pages freed."""
+        freed (``fence``: a pending one, see :meth:`SlotPages.trim`); returns the pages freed."""
         pages, ranges, freed = self.state.pages, self.state.layout.num_ranges, 0
         held_sets = max(map(len, pages.mapped[slot]))
         while freed < want and held_sets > keep:
             held_sets = max(keep, held_sets - -(-(want - freed) // ranges))
-            freed += pages.trim(slot, held_sets) if fence is None else pages.retired.retire(slot, held_sets, fence)
+            freed += pages.trim(slot, held_sets, fence=fence)
         return freed
 
     def _shared_top(self, slot: int) -> int:

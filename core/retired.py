@@ -15,7 +15,6 @@ Not thread-safe on its own: :class:`~vattn.core.cache.VirtualKVCache` serialises
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -48,29 +47,13 @@ class RetiredMappings:
         """Positions still mapped, waiting on a fence."""
         return sum(len(spots) for _, spots in self._by_slot.values())
 
-    def retire(self, slot: int, num_sets: int, fence) -> int:
-        """:meth:`SlotPages.trim` for a slot whose last reader may still run (``fence``
-        pending): the page-sets beyond ``num_sets`` leave the record and their pages go back to
-        the pool at once (fenced), while their old mapping stays until :meth:`flush`. No driver
-        call; returns the pages freed."""
-        pg = self.pages
-        freed, spots = 0, []
-        for rng, pids in enumerate(pg.mapped[slot]):
-            while len(pids) > num_sets:
-                pid = pids.pop()
-                if pid >= 0:                       # -1: a hole, nothing mapped there
-                    spots.append((rng, len(pids)))
-                    freed += pg.pool.give([pid], fence=fence)
-                pg.held_n[slot] -= 1
-                pg.num_accessible[slot][rng] = min(pg.num_accessible[slot][rng], len(pids))
-        pg.refresh(slot)
-        if spots:
-            entry = self._by_slot.setdefault(slot, [fence, []])
-            entry[0] = fence                       # the newest: it completes after older ones
-            entry[1].extend(spots)
-        pg.counters.pages_reclaimed += freed
-        pg.counters.pages_retired += len(spots)
-        return freed
+    def add(self, slot: int, rng: int, index: int, fence) -> None:
+        """Page ``index`` of ``slot`` in ``rng`` left the record (:meth:`SlotPages.trim` with a
+        pending ``fence``) but stays mapped until :meth:`flush`."""
+        entry = self._by_slot.setdefault(slot, [fence, []])
+        entry[0] = fence                           # the newest: it completes after older ones
+        entry[1].append((rng, index))
+        self.pages.counters.pages_retired += 1
 
     def flush(self, slot: int, *, wait: bool) -> bool:
         """Unmap ``slot``'s retired positions once its fence completes (``wait``: block for it,
@@ -93,11 +76,8 @@ class RetiredMappings:
             fence.wait()
         while spots:
             rng, index = spots[-1]
-            start = time.perf_counter()
-            pg.counters.unmap_calls += 1
-            pg.call("unmap", pg.va(rng, slot, index), pg.layout.page_bytes)
+            pg.unmap_at(rng, slot, index)
             spots.pop()
-            pg.counters.unmap_page_us.observe((time.perf_counter() - start) * 1e6)
         del self._by_slot[slot]
         return True
 
