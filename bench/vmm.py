@@ -14,6 +14,7 @@ from tqdm import tqdm
 from .. import argtypes
 from ..core import KVCacheConfig, VirtualKVCache
 from ..core.driver import get_driver
+from ..core.errors import UnsupportedError
 from .limits import check_fits
 from .report import command_line, write_section
 
@@ -30,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", type=argtypes.positive_int, default=512, help="mean prompt length of the loop")
     parser.add_argument("--model-shape", type=model_shape, default=None,
                         help="layers,kv_heads,head_dim,group (default: Llama-3-8B G=4 on CUDA, tiny on CPU)")
+    parser.add_argument("--busy-ms", type=argtypes.non_negative_float, default=20.0,
+                        help="CUDA: also time each call while a kernel of this many ms runs (0: skip)")
+    parser.add_argument("--busy-only", action="store_true",
+                        help="only the calls-while-busy table (no latency sweep, no decode loops)")
     parser.add_argument("--benchmarks", default="BENCHMARKS.md", help="file to write the section to")
     parser.add_argument("--json", default=None, help="also write the raw numbers here")
 
@@ -171,20 +176,37 @@ def _markdown(lat: dict, loops: list[dict], args) -> str:
     return "\n".join(rows)
 
 
+def _busy(args) -> tuple[dict, str] | None:
+    """The calls-while-busy table (CUDA only; ``None`` without a kernel to be busy with)."""
+    if not args.device.startswith("cuda") or not args.busy_ms:
+        return None
+    from .vmm_busy import busy_latency, cuda_busy, markdown
+    drv, dev = get_driver(args.device), torch.device(args.device)
+    pages = min(args.pages, 32)
+    idle = busy_latency(drv, pages, busy_ms=args.busy_ms, launch=None)
+    busy = {name: busy_latency(drv, pages, busy_ms=args.busy_ms,
+                               **dict(zip(("launch", "running", "idle"), cuda_busy(dev, side_stream=side))))
+            for name, side in (("default stream", False), ("own stream", True))}
+    return {"idle": idle, "busy": busy, "busy_ms": args.busy_ms}, markdown(idle, busy, args.busy_ms)
+
+
 def run(args) -> int:
     page = get_driver(args.device).granularity          # UnsupportedError if the backend is missing
     check_fits(f"--pages {args.pages}", args.pages * page, args.device, hint="pass a smaller --pages")
-    lat = call_latency(args.device, args.pages)
-    loops = []
-    for batch in args.batches:
+    if args.busy_only and not (args.device.startswith("cuda") and args.busy_ms):
+        raise UnsupportedError(f"--busy-only needs a CUDA device and --busy-ms > 0, got --device "
+                               f"{args.device} --busy-ms {args.busy_ms:g}")
+    lat, loops = (None, []) if args.busy_only else (call_latency(args.device, args.pages), [])
+    for batch in () if args.busy_only else args.batches:
         for ahead in (0, 256):
             loops.append(decode_loop(args, batch, map_ahead=ahead))
             print(json.dumps(loops[-1]))
-    body = _markdown(lat, loops, args)
+    busy = _busy(args)
+    body = "\n\n".join(([_markdown(lat, loops, args)] if lat else []) + ([busy[1]] if busy else []))
     print(body)
     title = f"vmm ({'CUDA' if args.device.startswith('cuda') else 'host'} backend)"
     write_section(title, body, command_line(), path=args.benchmarks)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"latency": lat, "decode": loops}, f, indent=2)
+            json.dump({"latency": lat, "decode": loops, "busy": busy[0] if busy else None}, f, indent=2)
     return 0

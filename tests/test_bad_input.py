@@ -572,6 +572,8 @@ CASES = [
          "argument --pages: expected an int >= 1", _cli("bench", "vmm", "--pages", "0")),
     Case("cli-vmm-shape", "vattn bench vmm", "--model-shape 4,2,64,3", UsageError,
          "group dividing layers", _cli("bench", "vmm", "--model-shape", "4,2,64,3")),
+    Case("cli-vmm-busy-only-cpu", "vattn bench vmm", "--busy-only --device cpu", UnsupportedError,
+         "--busy-only needs a CUDA device", _cli("bench", "vmm", "--busy-only", "--device", "cpu")),
     Case("cli-device-tpu", "vattn bench host", "--device tpu", UsageError,
          "argument --device: expected 'cpu' or 'cuda[:N]'", _cli("bench", "host", "--device", "tpu")),
     Case("cli-groups", "vattn bench layout", "--groups 3 (32 layers)", ConfigError,

@@ -133,3 +133,35 @@ def test_a_page_still_used_elsewhere_keeps_its_fence_until_it_is_freed():
         assert pool.give([a]) == 1 and pool.num_unfenced == 1   # no stale fence left behind
     finally:
         pool.close()
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_kernel_in_flight_reads_the_old_mapping_while_its_pages_serve_another():
+    # the real thing: a kernel still reading released slot a (queued behind a ~100 ms spin)
+    # while reclaim hands a's pages to b without waiting, and b's writes are queued after it
+    import torch
+    with make_cache("cuda", num_kv_heads=8, head_dim=128, max_context=2560, page_budget=BUDGET // SMALL_PAGE
+                    * (2 << 20), stream_ordered=True, scrub="never") as cache:
+        per = int(cache.layout.tokens_per_page)
+        assert per == 256 and cache.layout.pages_per_slot == 10
+        a, b = cache.acquire(), cache.acquire()
+        assert cache.ensure({a: 10 * per}) == []
+        k0 = cache.k(0)
+        k0[a, :10 * per].fill_(3)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)                        # the device is busy for a while
+        seen = k0[a, :10 * per].clone()                       # ... then reads a, the old mapping
+        cache.release(a)
+        assert cache.ensure({b: 9 * per}) == []               # a's pages, no wait for the read
+        m = cache.metrics()
+        assert not torch.cuda.current_stream().query(), "the host waited for the device"
+        assert m["fence_waits"] == 0 and m["pages_retired"] > 0
+        k0[b, :9 * per].fill_(7)                              # queued after the read
+        torch.cuda.synchronize()
+        assert bool((seen == 3).all()), "the read in flight saw the next request's writes"
+        assert bool((k0[b, :9 * per] == 7).all())
+        unmaps = cache.metrics()["unmap_calls"]
+        assert cache.ensure({b: 9 * per}) == []               # the fence is done: flushed now
+        assert cache.metrics()["unmap_calls"] == unmaps + m["pages_retired"]
+        assert not cache._pages.retired
+        cache.audit()
