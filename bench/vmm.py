@@ -187,7 +187,11 @@ def _busy(args) -> tuple[dict, str] | None:
     busy = {name: busy_latency(drv, pages, busy_ms=args.busy_ms,
                                **dict(zip(("launch", "running", "idle"), cuda_busy(dev, side_stream=side))))
             for name, side in (("default stream", False), ("own stream", True))}
-    return {"idle": idle, "busy": busy, "busy_ms": args.busy_ms}, markdown(idle, busy, args.busy_ms)
+    from .vmm_busy import launch_stalls, stalls_markdown
+    launch, _, wait = cuda_busy(dev, side_stream=False)
+    stalls = {w: launch_stalls(drv, launch, wait, worker=w) for w in (False, True)}
+    body = markdown(idle, busy, args.busy_ms) + "\n\n" + stalls_markdown(stalls[False], stalls[True])
+    return {"idle": idle, "busy": busy, "busy_ms": args.busy_ms, "launch_stalls": list(stalls.values())}, body
 
 
 def run(args) -> int:

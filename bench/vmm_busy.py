@@ -11,10 +11,11 @@ reads, and counts the calls after which the kernel had already finished.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from typing import Callable
 
-__all__ = ["CALLS", "busy_latency", "cuda_busy", "markdown"]
+__all__ = ["CALLS", "busy_latency", "cuda_busy", "launch_stalls", "markdown", "stalls_markdown"]
 
 #: the driver calls measured, in the order one page goes through them
 CALLS = ("create", "map", "set_access", "unmap", "release")
@@ -95,4 +96,61 @@ def markdown(idle: dict, busy: dict[str, dict], busy_ms: float) -> str:
     for c in CALLS:
         cells = [f"{busy[n][c]['median_us']:.1f} · {busy[n][c]['waited']} of {busy[n][c]['calls']}" for n in names]
         rows.append(f"| {c} | {idle[c]['median_us']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def launch_stalls(drv, launch: Callable[[float], None], idle: Callable[[], None], *, launches: int = 400,
+                  kernel_ms: float = 0.25, worker: bool) -> dict:
+    """Host µs per kernel launch on this thread (``launches`` kernels of ``kernel_ms`` queued
+    back to back, so the device stays busy) while, with ``worker``, another thread maps, grants
+    access to and unmaps a page of its own in a loop — what moving VMM calls off the engine's
+    thread onto a background one would cost the engine's launches (a driver lock held across
+    an implicit wait would show here). Also the worker's calls and their slowest µs."""
+    page = drv.granularity
+    base, handle = drv.reserve(page), drv.create(page)
+    stop, calls, slowest = threading.Event(), [0], [0.0]
+
+    def churn() -> None:
+        drv.bind_thread()
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            drv.map(base, page, handle)
+            drv.set_access(base, page)
+            drv.unmap(base, page)
+            slowest[0] = max(slowest[0], time.perf_counter() - t0)
+            calls[0] += 3
+
+    thread = threading.Thread(target=churn, daemon=True) if worker else None
+    times = []
+    try:
+        if thread:
+            thread.start()
+            time.sleep(0.01)
+        for _ in range(launches):
+            t0 = time.perf_counter()
+            launch(kernel_ms)
+            times.append(time.perf_counter() - t0)
+        idle()
+    finally:
+        stop.set()
+        if thread:
+            thread.join()
+        drv.release(handle)
+        drv.free_va(base, page)
+    times.sort()
+    return {"launch_median_us": statistics.median(times) * 1e6, "launch_p99_us": times[int(0.99 * len(times))] * 1e6,
+            "launch_max_us": times[-1] * 1e6, "launches": launches, "kernel_ms": kernel_ms,
+            "worker_calls": calls[0] if worker else None, "worker_slowest_us": slowest[0] * 1e6 if worker else None}
+
+
+def stalls_markdown(alone: dict, with_worker: dict) -> str:
+    """The launch-stall table: this thread's launches alone and beside a VMM worker thread."""
+    rows = [f"Kernel launches on this thread ({alone['launches']} kernels of {alone['kernel_ms']:g} ms queued "
+            "back to back), alone and while another thread maps / grants access / unmaps in a loop:", "",
+            "| | launch µs median | p99 | max | worker's VMM calls | worker's slowest map+access+unmap µs |",
+            "|---|---|---|---|---|---|"]
+    for name, r in (("alone", alone), ("beside a VMM worker thread", with_worker)):
+        worker = "— | —" if r["worker_calls"] is None else f"{r['worker_calls']} | {r['worker_slowest_us']:.0f}"
+        rows.append(f"| {name} | {r['launch_median_us']:.1f} | {r['launch_p99_us']:.1f} | {r['launch_max_us']:.1f} | "
+                    f"{worker} |")
     return "\n".join(rows)

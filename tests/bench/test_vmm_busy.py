@@ -79,3 +79,27 @@ def test_the_address_range_is_given_back_even_when_a_call_fails(kernel):
     with pytest.raises(RuntimeError, match="injected"):
         busy_latency(Failing(), 2, busy_ms=1, launch=None)
     assert len(freed) == 1
+
+
+def test_a_worker_holding_a_lock_the_launches_need_shows_as_launch_stalls():
+    import threading
+    lock = threading.Lock()
+
+    class LockedUnmap(HostDriver):
+        def unmap(self, va, size):
+            with lock:                                  # a driver lock held across a wait
+                time.sleep(0.02)
+                super().unmap(va, size)
+
+    def launch(ms):
+        with lock:
+            pass
+
+    from vattn.bench.vmm_busy import launch_stalls, stalls_markdown
+    drv = LockedUnmap()
+    alone = launch_stalls(drv, launch, lambda: None, launches=30, worker=False)
+    beside = launch_stalls(drv, launch, lambda: None, launches=30, worker=True)
+    assert alone["launch_max_us"] < 10_000 and alone["worker_calls"] is None
+    assert beside["launch_max_us"] > 10_000 and beside["worker_calls"] >= 3
+    table = stalls_markdown(alone, beside)
+    assert "| alone |" in table and "beside a VMM worker thread" in table
