@@ -23,7 +23,7 @@ from vattn.bench.engine_profile import load_profiles, profile_markdown, read_sta
 from vattn.conformance.models import PRESETS, decode_traffic_bytes
 from vattn.core.errors import ConfigError
 
-__all__ = ["add_arguments", "run", "load_results", "markdown", "plot", "decode_bandwidth"]
+__all__ = ["add_arguments", "run", "load_results", "markdown", "plot", "decode_bandwidth", "hits_line"]
 
 _ORDER = ("decode-heavy", "prefill-heavy", "long-context")
 
@@ -171,7 +171,12 @@ def markdown(results: dict, *, hbm_tbps: float | None = None, png: str | None = 
                          f"({p['baseline']} s / {p['other']} s; engines up at once, order "
                          f"alternated): {', '.join(f'{r:.4f}' for r in p['ratios'])}; median "
                          f"**{p['median_ratio']:.4f}**")
-    if any(r.get("pooled") or r.get("paired") for r in results["workloads"].values()):
+    for name, report in results["workloads"].items():
+        hits = hits_line(name, report)
+        if hits:
+            lines.append(hits)
+    if any(r.get("pooled") or r.get("paired") or hits_line(n, r)
+           for n, r in results["workloads"].items()):
         lines.append("")
     ident = results["identity"]
     if ident is not None:
@@ -181,6 +186,22 @@ def markdown(results: dict, *, hbm_tbps: float | None = None, png: str | None = 
         for mode, err in (report.get("errors") or {}).items():
             lines.append(f"- {name} / {mode} failed: `{str(err).strip().splitlines()[0][:300]}`")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def hits_line(name: str, report: dict) -> str | None:
+    """``- name: prefix-cache hits per generation ...`` from the rows' ``cached_tokens_each`` /
+    ``prompt_tokens_each`` (vLLM's stages; ``None`` when no mode reports a hit)."""
+    cells = []
+    for mode, row in _rows(report).items():
+        cached, prompt = row.get("cached_tokens_each") or [], row.get("prompt_tokens_each") or []
+        if not any(cached) or len(prompt) != len(cached):
+            continue
+        cells.append(f"{mode} " + ", ".join(f"{c:,} ({100 * c / p:.1f} %)" if p else f"{c:,}"
+                                            for c, p in zip(cached, prompt)))
+    if not cells:
+        return None
+    return (f"- {name}: prompt tokens served from the prefix cache per generation (share of the "
+            f"prompt tokens): {'; '.join(cells)}")
 
 
 def _identity_text(ident: dict) -> str:

@@ -128,3 +128,18 @@ def test_engines_of_a_mode_pooled_and_used_by_the_table(tmp_path):
     row = next(l for l in md.splitlines() if l.startswith("| decode-heavy"))
     assert f"**{11.15 / 11.025:.4f}×**" in row and f"{10.8 / 11.025:.4f}×" in row
     assert "decode-heavy / stock: median of 4 generations over 2 engines, 11.150 s" in md
+
+
+def test_prefix_cache_hits_per_generation_are_listed_per_mode(tmp_path):
+    report = _throughput("shared-prefix", [128, 4352, 128, 128], {"stock": 2.76, "vattn": 3.05})
+    report["rows"]["stock"] |= {"cached_tokens_each": [520_192, 555_008], "prompt_tokens_each": [557_056] * 2}
+    report["rows"]["vattn"] |= {"cached_tokens_each": [520_192, 540_672], "prompt_tokens_each": [557_056] * 2}
+    _write(tmp_path, "throughput_shared-prefix.json", report)
+    _write(tmp_path, "throughput_decode-heavy.json",      # no hits anywhere: no line
+           _throughput("decode-heavy", [256, 512, 512, 256], {"stock": 11.0, "vattn": 10.95}))
+    md = engine.markdown(engine.load_results(str(tmp_path)))
+    (line,) = [l for l in md.splitlines() if "served from the prefix cache" in l]
+    assert line.startswith("- shared-prefix:")
+    assert "stock 520,192 (93.4 %), 555,008 (99.6 %)" in line and "vattn 520,192 (93.4 %), 540,672 (97.1 %)" in line
+    mismatched = {"rows": {"vattn": {"cached_tokens_each": [5], "prompt_tokens_each": []}}}
+    assert engine.hits_line("x", mismatched) is None

@@ -208,6 +208,8 @@ def stage_throughput(args) -> dict:
         row = report["rows"].setdefault(mode, {"seconds": res.seconds})
         row |= {"init_s": res.extra.get("init_s"), "num_gpu_blocks": res.extra.get("num_gpu_blocks"),
                 "seconds_each": res.extra.get("seconds_each"),
+                "cached_tokens_each": res.extra.get("cached_tokens_each"),
+                "prompt_tokens_each": [res.num_prompt_tokens] * len(res.extra.get("cached_tokens_each") or []),
                 "jit_during_inference": jit_during_inference(runner.log_path(mode))}
         row |= _memory_columns(mode, res.extra.get("vattn_metrics"), plen, new)
     report["pooled"] = pool_engines(report["rows"])   # MODE@N re-runs: every generation pooled

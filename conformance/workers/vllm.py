@@ -80,11 +80,12 @@ def generate(spec: dict) -> dict:
                             detokenize=False, logprobs=spec["logprobs"] or None)
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)  # warm-up
-    times = []
+    times, cached = [], []
     for _ in range(max(1, int(spec.get("repeats", 1)))):   # the same batch again: run-to-run spread
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
+        cached.append(sum(o.num_cached_tokens or 0 for o in outs))   # prefix-cache hits
     seconds = sorted(times)[(len(times) - 1) // 2]          # the median (lower one of an even count)
     if spec.get("profile_dir"):    # once more, profiled (untimed): the kernel table of a step window
         llm.start_profile()
@@ -102,7 +103,7 @@ def generate(spec: dict) -> dict:
                 num_generated_tokens=sum(len(t) for t in token_ids),
                 extra={"mode": spec["mode"], "vattn": os.environ.get("VATTN_VLLM") == "1",
                        "init_s": round(init_s, 2), "num_gpu_blocks": blocks,
-                       "seconds_each": [round(t, 4) for t in times],
+                       "seconds_each": [round(t, 4) for t in times], "cached_tokens_each": cached,
                        # per request, the prompt tokens vLLM's prefix cache served (None: not reported)
                        "num_cached_tokens": [o.num_cached_tokens for o in outs],
                        "engine_kwargs": {k: v for k, v in engine_kwargs(spec).items() if k != "model"},
