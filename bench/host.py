@@ -48,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shared-prefix: tokens of the shared system prompt (within --prompt)")
     parser.add_argument("--pool-fraction", type=argtypes.positive_float, default=1.0,
                         help="with --prefix-caching: the KV pool as a share of what every request's "
-                             "whole length needs; below 1, requests wait and are preempted as in "
-                             "vLLM's scheduler (memory pressure)")
+                             "whole length needs (at most 8); below 1, requests wait and are preempted "
+                             "as in vLLM's scheduler (memory pressure); above 1, headroom, as a large "
+                             "GPU has under the engine's own sizing")
     parser.add_argument("--max-num-seqs", type=argtypes.positive_int, default=None,
                         help="with --pool-fraction / --fence-lag: requests running at once (vLLM's "
                              "max_num_seqs, the slots; default: --batch); fewer than --batch run in waves")
@@ -170,9 +171,9 @@ def run_prefix(args) -> int:
     from .prefix_pool import PrefixBlockPool
     if args.workload == "shared-prefix" and args.shared >= args.prompt:
         raise ConfigError(f"--shared must be below --prompt ({args.prompt}), got {args.shared}")
-    if args.pool_fraction > 1:
-        raise ConfigError(f"--pool-fraction must be in (0, 1], got {args.pool_fraction}")
-    scheduled = args.pool_fraction < 1 or args.fence_lag > 0
+    if args.pool_fraction > 8:
+        raise ConfigError(f"--pool-fraction must be in (0, 8], got {args.pool_fraction}")
+    scheduled = args.pool_fraction != 1 or args.fence_lag > 0
     if scheduled and args.workload == "multi-turn":
         raise ConfigError("--pool-fraction / --fence-lag run decode-heavy or shared-prefix, not multi-turn")
     turns = args.generations + 1

@@ -1,9 +1,11 @@
 """Admission: which idle slot a new request gets, and what acquiring and releasing record.
 
-The policy: the idle slot where the request's prefix is still mapped (``prefer``), else the
+The policy: the idle slot where the request's prefix-cache hit was last mapped, else the
 warmest idle slot holding at least the expected length, then one of the same tenant, then the
-one released longest ago. Slots being mapped in the background are passed over while others
-are idle.
+one released longest ago. A request with a hit instead takes the idle slot that costs the
+fewest VMM calls: one that starts with the same prefix, else one whose pages at the hit
+positions (unmapped for the shared ones) and below its expected length (mapped) are fewest.
+Slots being mapped in the background are passed over while others are idle.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class Admission:
     def __init__(self, state: CacheState):
         self.state = state
 
-    def acquire(self, tenant, expected_len: int, prefer) -> int:
+    def acquire(self, tenant, expected_len: int, prefix) -> int:
         """:meth:`VirtualKVCache.acquire` with checked arguments."""
         st, table = self.state, self.state.slots
         table.clock += 1
@@ -33,9 +35,9 @@ class Admission:
         if table.inflight:
             ready = idle[~np.isin(idle, list(table.inflight))]
             idle = ready if ready.size else idle
-        slot = self._home_slot(prefer)
+        slot = self._home_slot(prefix[-1] if len(prefix) else None)
         if slot is None:
-            slot = self._best_fit(idle, need, tenant)
+            slot = self._best_fit(idle, need, tenant, prefix)
         st.settle(slot)
         previous = table.tenant[slot]
         table.one_tenant &= tenant is None
@@ -72,17 +74,26 @@ class Admission:
             return None
         return slot if st.pages.at(slot, index) == st.keys.get(key) else None
 
-    def _best_fit(self, idle: np.ndarray, need: int, tenant) -> int:
+    def _best_fit(self, idle: np.ndarray, need: int, tenant, prefix=()) -> int:
         """The idle slot to hand out: one holding at least ``need`` page-sets first, the warmest
         of those (a request grows past its prompt: surplus pages spare it mapping as it decodes,
         and stay reclaimable), then the same tenant, then the longest idle (vectorised: one call
-        per admission)."""
-        table = self.state.slots
-        have = self.state.pages.usable_n[idle]
+        per admission). With a ``prefix`` hit of ``a`` page-sets, the cheapest slot first: one
+        starting with the prefix's first page-set costs nothing, another ``min(have, a)`` unmaps
+        (its own pages where the shared ones go) plus the page-sets it lacks above the hit."""
+        table, pages = self.state.slots, self.state.pages
+        have = pages.usable_n[idle]
         if table.one_tenant and tenant is None:     # no slot has another tenant: skip the loop
             other = np.zeros(idle.size, dtype=bool)
         else:
             other = np.fromiter((table.tenant[s] != tenant for s in idle.tolist()), dtype=bool,
                                 count=idle.size)
-        order = np.lexsort((table.released_at[idle], other, -have, have < need))
+        if len(prefix):
+            first = self.state.keys.get(prefix[0])
+            same = pages.head[idle] == first[0] if first is not None else np.zeros(idle.size, dtype=bool)
+            a = len(prefix)
+            cost = np.where(same, 0, np.minimum(have, a) + np.maximum(0, need - np.maximum(have, a)))
+            order = np.lexsort((table.released_at[idle], other, -have, cost))
+        else:
+            order = np.lexsort((table.released_at[idle], other, -have, have < need))
         return int(idle[order[0]])

@@ -145,13 +145,15 @@ class VirtualKVCache:
         return self._space.view(layer, which)
 
     # -- slot lifecycle --------------------------------------------------------------------------
-    def acquire(self, *, tenant=None, expected_len: int = 0, prefer=None) -> int:
+    def acquire(self, *, tenant=None, expected_len: int = 0, prefix=()) -> int:
         """Hand out an idle slot, preferring the warm one whose pages best fit ``expected_len``.
 
-        ``prefer``: the block key of the last page-set of the request's prefix-cache hit
-        (:meth:`bind`); the idle slot where that page-set was last mapped is handed out first:
-        a request that ran there before (a repeated prompt, the next turn of a conversation)
-        finds its whole prefix in place and needs no mapping at all.
+        ``prefix``: the block keys of the request's prefix-cache hit, in order (what it will
+        :meth:`bind` as hits). The idle slot where the last of them was last mapped is handed out
+        first: a request that ran there before (a repeated prompt, the next turn of a
+        conversation) finds its whole prefix in place and needs no mapping at all. Else the idle
+        slot needing the fewest VMM calls for the hit (one starting with the same prefix, or one
+        with few pages where the shared page-sets go).
 
         Raises
         ------
@@ -163,7 +165,7 @@ class VirtualKVCache:
         self._check_open()
         self._check_length(expected_len)
         with self._cond:
-            return self._admission.acquire(tenant, expected_len, prefer)
+            return self._admission.acquire(tenant, expected_len, tuple(prefix))
 
     def release(self, slot: int, *, fence=None) -> None:
         """Finish the request in ``slot``; its pages stay mapped until memory pressure.
@@ -179,13 +181,18 @@ class VirtualKVCache:
                 self._worker.cancel(slot)
 
     # -- paging ------------------------------------------------------------------------------------
-    def prewarm(self, tokens_per_slot: int | None = None) -> int:
+    def prewarm(self, tokens_per_slot: int | None = None, *, min_tokens: int = 2048) -> int:
         """Map page-sets to the idle slots now, so the requests that take them start warm.
 
-        Every idle slot is topped up to ``tokens_per_slot`` (default: an even share of the free
-        pool over the idle slots), until the pool runs out. The pages stay reclaimable like any
-        warm slot's (:meth:`reclaim`, or a slot that needs more). For engines whose pool is sized
-        up front (vLLM, SGLang): the mapping then happens once, at start, instead of on the step's
+        Idle slots are topped up to ``tokens_per_slot``, lowest slot first, until the pool runs
+        out. The default is an even share of the free pool over the idle slots, but at least
+        ``min_tokens`` deep: a pool that would spread thinner (many slots, as an engine's default
+        ``max_num_seqs`` gives) goes to fewer slots, which admission hands out first (the
+        warmest), so a first batch finds its pages in place instead of moving them out of slots
+        nobody uses; slots left empty suit a request whose prefix-cache hit is mapped in (no
+        pages of its own to unmap there). The pages stay reclaimable like any warm slot's
+        (:meth:`reclaim`, or a slot that needs more). For engines whose pool is sized up front
+        (vLLM, SGLang): the mapping then happens once, at start, instead of on the step's
         critical path. Returns the pages mapped.
 
         Raises
@@ -196,8 +203,10 @@ class VirtualKVCache:
         self._check_open()
         if tokens_per_slot is not None:
             self._check_length(tokens_per_slot)
+        if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+            raise ConfigError(f"min_tokens must be an int >= 0, got {min_tokens!r}")
         with self._cond:
-            return self._growth.prewarm(tokens_per_slot)
+            return self._growth.prewarm(tokens_per_slot, min(min_tokens, self.config.max_context))
 
     def ensure(self, lengths, lengths_seq=None) -> list[int]:
         """Map pages so every listed slot holds its length; return the slots that could not grow.

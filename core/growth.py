@@ -84,16 +84,17 @@ class Growth:
             st.cond.wait()
         return st.pool.take(ranges)
 
-    def prewarm(self, tokens_per_slot: int | None) -> int:
-        """Top every idle slot up to ``tokens_per_slot`` (``None``: an even share of the free
-        pool), until the pool runs out; returns the pages mapped."""
+    def prewarm(self, tokens_per_slot: int | None, min_tokens: int) -> int:
+        """Top idle slots up to ``tokens_per_slot`` (``None``: an even share of the free pool,
+        but at least ``min_tokens`` deep), lowest slot first, until the pool runs out; returns
+        the pages mapped."""
         st = self.state
         table = st.slots
         idle = [s for s in range(st.config.max_slots) if not table.active[s] and s not in table.inflight]
         if not idle:
             return 0
-        sets = (st.pool.num_free // (st.layout.num_ranges * len(idle)) if tokens_per_slot is None else
-                st.layout.pages_for(tokens_per_slot))
+        sets = (max(st.pool.num_free // (st.layout.num_ranges * len(idle)), st.layout.pages_for(min_tokens))
+                if tokens_per_slot is None else st.layout.pages_for(tokens_per_slot))
         sets = min(sets, st.layout.pages_per_slot)   # a slot's region holds no more
         before = st.pool.num_free
         for slot in idle:

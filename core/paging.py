@@ -57,15 +57,20 @@ class SlotPages:
         self.cap_tokens = np.zeros(n, dtype=np.int64)   # tokens backed by usable page-sets
         self.held_n = np.zeros(n, dtype=np.int64)       # pool pages per slot (== held(slot))
         self.usable_n = np.zeros(n, dtype=np.int64)     # == usable(slot), for vectorised queries
+        #: pool page at the bottom of range 0 (-1: none): which prefix a slot starts with, for
+        #: admission (a hint only: nothing else reads it)
+        self.head = np.full(n, -1, dtype=np.int64)
         self.bound = np.zeros(pool.num_pages, dtype=bool)  # page held by a block key (shared)
         self.holes: set[int] = set()    # slots with a -1 left by a failed replacement (heal())
         #: old mappings of pages reclaimed before their fence completed (unmapped once it has)
         self.retired = RetiredMappings(self)
 
     def refresh(self, slot: int) -> None:
-        """Recompute ``cap_tokens[slot]`` / ``usable_n[slot]`` after its pages changed."""
+        """Recompute ``cap_tokens[slot]`` / ``usable_n[slot]`` / ``head[slot]`` after its pages changed."""
         self.usable_n[slot] = min(self.num_accessible[slot])
         self.cap_tokens[slot] = self.layout.tokens_for(int(self.usable_n[slot]))
+        bottom = self.mapped[slot][0]
+        self.head[slot] = bottom[0] if bottom and self.usable_n[slot] else -1
 
     def usable(self, slot: int) -> int:
         """Page-sets of ``slot`` that are mapped and accessible in every range."""

@@ -93,7 +93,8 @@ class VattnMHATokenToKVPool(MHATokenToKVPool):
         self.vattn_cache = cache
         self.rows_per_slot = cache.layout.rows_per_slot
         self._hold_pad_slot(cache)
-        # SGLang sizes its token pool up front: map it now, an even share per slot, so admitting
+        # SGLang sizes its token pool up front: map it now (an even share per slot, at least
+        # 2,048 tokens deep: fewer slots when the share would be thinner), so admitting
         # a request reuses warm pages instead of mapping on the step's critical path (the pages
         # stay reclaimable, so the physical available size below is unchanged)
         start = time.perf_counter()

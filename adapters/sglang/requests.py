@@ -368,7 +368,7 @@ class RowSlots:
         for i in np.flatnonzero(new).tolist():
             ids = hit_ids.get(i)
             slot = self.retry(lambda: self.cache.acquire(expected_len=int(seq[i]),
-                                                         prefer=ids[-1] if ids else None))
+                                                         prefix=ids or ()))
             self.slot_of[rows[i]] = slot
             self.bound[rows[i]] = 0
             self._row_of[slot] = int(rows[i])

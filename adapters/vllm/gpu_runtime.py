@@ -109,14 +109,15 @@ class GpuRuntime:
         """Request ``index`` now holds ``num_blocks`` blocks, the last ``len(block_ids)`` of them
         new; a new request takes a slot first. With prefix caching, its first ``hits`` blocks
         are prefix-cache hits (whole blocks vLLM already holds) and it prefers the idle slot
-        where the last of them was mapped (a repeated prompt finds its prefix in place)."""
+        where the last of them was mapped (a repeated prompt finds its prefix in place), else
+        the one needing the fewest VMM calls for them."""
         start = time.perf_counter()
         tokens = min(num_blocks * self.block_size, self.cache.config.max_context)
         if new_request:
             if index in self._slot:                     # re-added without a removal: a new request
                 self.release(index)
-            prefer = block_ids[hits - 1] if self.sharing and hits else None
-            slot = self._retry(lambda: self._slot.take(index, expected_len=tokens, prefer=prefer))
+            prefix = list(block_ids[:hits]) if self.sharing else ()
+            slot = self._retry(lambda: self._slot.take(index, expected_len=tokens, prefix=prefix))
             self.tables.assign(index, slot)
         elif index not in self._slot:
             raise VattnError(f"request index {index} got blocks but holds no vattn slot")

@@ -237,7 +237,7 @@ class VattnRuntime:
             if req_id in self.faults.dead:              # hits a block of a request killed this step
                 continue
             tokens = min(len(ids) * self.block_size, self.cache.config.max_context)
-            if self._acquire(req_id, tokens, prefer=ids[hits - 1] if hits else None,
+            if self._acquire(req_id, tokens, prefix=ids[:hits],
                              before=before[req_id]) is None:
                 continue
             self._blocks[req_id] = 0
@@ -269,11 +269,11 @@ class VattnRuntime:
                     self._kill_unpaged(req_id, why, before[req_id], len(ids) * self.block_size)
             pending = [item for item, later in zip(pending, wait) if later]
 
-    def _acquire(self, req_id: str, expected_len: int, *, prefer=None, before: int = 0) -> int | None:
+    def _acquire(self, req_id: str, expected_len: int, *, prefix=(), before: int = 0) -> int | None:
         """A slot for ``req_id`` (recorded), or ``None`` after killing it: driver faults while the
         slot's pages were re-tagged, ``retries + 1`` times (a failed re-tag leaves the slot idle)."""
         def take() -> bool:
-            self._slot_of.take(req_id, expected_len=expected_len, prefer=prefer)
+            self._slot_of.take(req_id, expected_len=expected_len, prefix=prefix)
             return True                 # done (no idle slot raises SlotError; driver faults are retried)
         ok, why = self.faults.retry(take)
         if not ok:

@@ -222,7 +222,7 @@ def test_churn_under_map_ahead_reads_back_exactly(device):
 def test_prewarm_maps_an_even_share_that_requests_then_use_without_driver_calls():
     with make_cache(page_budget=24 * (64 << 10), max_context=2000) as cache:   # padding + 11 page-sets
         ranges = cache.layout.num_ranges
-        mapped = cache.prewarm()
+        mapped = cache.prewarm(min_tokens=0)                                    # no minimum depth
         per_slot = 11 // cache.config.max_slots                                 # 6 slots -> 1 set each
         assert mapped == per_slot * ranges * cache.config.max_slots
         assert cache.metrics()["pages_mapped_ahead"] == mapped
@@ -235,6 +235,45 @@ def test_prewarm_maps_an_even_share_that_requests_then_use_without_driver_calls(
         per = int(cache.layout.tokens_per_page)
         assert cache.ensure({a: 9 * per}) == [] and cache.mapped_tokens(a) >= 9 * per
         assert cache.metrics()["pages_reclaimed"] > 0
+        cache.audit()
+
+
+def test_prewarm_goes_deep_into_fewer_slots_when_an_even_share_would_be_thin():
+    # 11 page-sets over 6 slots is 1 each; at least 3 deep: slots 0-2 get 3, slots 3-5 none
+    with make_cache(page_budget=24 * (64 << 10), max_context=2000) as cache:
+        per = int(cache.layout.tokens_per_page)
+        cache.prewarm(min_tokens=3 * per)
+        assert [cache.mapped_tokens(s) for s in range(6)] == [3 * per] * 3 + [0] * 3
+        calls = cache.metrics()["map_calls"]
+        first = [cache.acquire(expected_len=2 * per) for _ in range(3)]  # the deep ones, no call
+        assert sorted(first) == [0, 1, 2]
+        assert cache.ensure({s: 3 * per for s in first}) == [] and cache.metrics()["map_calls"] == calls
+        with pytest.raises(ConfigError, match="min_tokens must be an int >= 0"):
+            cache.prewarm(min_tokens=-1)
+        cache.audit()
+
+
+def test_a_prefix_hit_takes_the_slot_that_costs_the_fewest_calls():
+    # a deep slot would unmap its own pages where the shared ones go; an empty one unmaps none,
+    # and a slot that starts with the same prefix needs nothing
+    with make_cache(page_budget=24 * (64 << 10), max_context=2000) as cache:
+        per = int(cache.layout.tokens_per_page)
+        cache.prewarm(min_tokens=3 * per)                     # slots 0-2 hold 3 page-sets
+        a = cache.acquire(expected_len=2 * per)
+        assert cache.bind(a, 0, ["s0", "s1"])
+        cache.release(a)
+        b = cache.acquire(expected_len=per)                   # no hit: a deep slot (not a)
+        assert b in (0, 1, 2) and b != a
+        c = cache.acquire(expected_len=3 * per, prefix=["s0", "s1"])   # the home slot: a
+        assert c == a
+        cache.release(c)
+        cache._keys.home.pop("s1")                            # forget where s1 was mapped last
+        d = cache.acquire(expected_len=3 * per, prefix=["s0", "s1"])
+        assert d == a                                         # still: it starts with s0
+        cache.release(d)
+        cache.release(b)
+        e = cache.acquire(expected_len=3 * per, prefix=["x0", "x1"])   # no idle slot starts so
+        assert cache.mapped_tokens(e) == 0                    # an empty slot: nothing to unmap
         cache.audit()
 
 

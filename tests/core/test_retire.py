@@ -148,9 +148,11 @@ def test_on_cuda_a_kernel_in_flight_reads_the_old_mapping_while_its_pages_serve_
         assert cache.ensure({a: 10 * per}) == []
         k0 = cache.k(0)
         k0[a, :10 * per].fill_(3)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)                        # the device is busy for a while
-        seen = k0[a, :10 * per].clone()                       # ... then reads a, the old mapping
+        seen = torch.empty_like(k0[a, :10 * per])
+        seen.copy_(k0[a, :10 * per])                          # once now: the allocator's cudaMalloc
+        torch.cuda.synchronize()                              # (of the copy's buffers) syncs
+        torch.cuda._sleep(1_000_000_000)                      # the device is busy for a while
+        seen.copy_(k0[a, :10 * per])                          # ... then reads a, the old mapping
         cache.release(a)
         assert cache.ensure({b: 9 * per}) == []               # a's pages, no wait for the read
         m = cache.metrics()

@@ -72,7 +72,7 @@ def test_cached_content_survives_its_slot_being_reused(cache):
     assert same(cache, d, 0, 2 * T, 5) and same(cache, c, 0, 2 * T, 9)
 
 
-def test_prefer_hands_out_the_home_slot_so_a_hit_maps_nothing(cache):
+def test_a_prefix_hit_gets_the_home_slot_so_a_hit_maps_nothing(cache):
     a = cache.acquire()
     cache.bind(a, 0, ["h0", "h1"])
     fill(cache, a, 0, 2 * T, 4)
@@ -80,7 +80,7 @@ def test_prefer_hands_out_the_home_slot_so_a_hit_maps_nothing(cache):
     other = cache.acquire()          # takes some idle slot (a is the warmest)
     cache.release(other)
     maps = cache.metrics()["map_calls"]
-    b = cache.acquire(prefer="h0")
+    b = cache.acquire(prefix=["h0"])
     assert b == a
     cache.bind(b, 0, ["h0", "h1"], hits=2)
     assert cache.metrics()["map_calls"] == maps and same(cache, b, 0, 2 * T, 4)
@@ -219,7 +219,7 @@ def _move_by_copy(cache, T):
     cache.bind(a, 0, ["m0", "m1"])
     fill(cache, a, 0, 2 * T, 8)
     cache.release(a)
-    b = cache.acquire(prefer="m0")                     # back in its slot: m0 in place
+    b = cache.acquire(prefix=["m0"])                     # back in its slot: m0 in place
     assert b == a
     maps, unmaps = cache.metrics()["map_calls"], cache.metrics()["unmap_calls"]
     cache.bind(b, 0, ["m0", "n1"], hits=1)             # n1 is fresh where m1 sits
@@ -239,7 +239,7 @@ def test_with_no_loose_page_set_a_displaced_block_is_parked_on_a_slots_top_by_co
     cache.bind(a, 0, ["m0", "m1"])
     fill(cache, a, 0, 2 * T, 8)
     cache.release(a)
-    b = cache.acquire(prefer="m0")
+    b = cache.acquire(prefix=["m0"])
     assert b == a
     before = cache.metrics()
     cache.bind(b, 0, ["m0", "n1"], hits=1)             # n1 is fresh where m1 sits
@@ -262,7 +262,7 @@ def test_content_moved_into_another_slot_is_scrubbed_before_that_slot_is_handed_
         cache.bind(a, 0, ["k0"])
         fill(cache, a, 0, T, 5)
         cache.release(a)
-        again = cache.acquire(tenant="t1", prefer="k0")
+        again = cache.acquire(tenant="t1", prefix=["k0"])
         assert again == a
         cache.bind(a, 0, ["n0"])                       # k0 is moved out, into another slot's page-set
         assert cache.metrics()["page_sets_moved"] == 1

@@ -133,7 +133,7 @@ class SharingMachine(RuleBasedStateMachine):
         for b in hit:                  # a hit takes the block off the free list (vLLM's touch)
             self.cached.pop(b, None)
         blocks = hit + self._fresh(fresh)
-        slot = self.cache.acquire(expected_len=len(blocks) * T, prefer=hit[0] if hit else None)
+        slot = self.cache.acquire(expected_len=len(blocks) * T, prefix=hit)
         return slot, blocks, hit
 
     def _admitted(self, slot, blocks, hit):

@@ -131,14 +131,14 @@ def test_running_requests_bind_new_blocks_after_the_ones_they_hold(runtime, monk
 
 
 def test_a_repeated_prompt_takes_the_slot_where_its_prefix_is(runtime):
-    # x's slot ends up warmer (4 page-sets): without prefer= it is the one handed out
+    # x's slot ends up warmer (4 page-sets): without the hit it is the one handed out
     runtime.bind_blocks([("a", [1, 2], 0), ("x", [5, 6, 7, 10], 0)], [])
     fill(runtime, "a", 0, 2 * B, 4)
     home = runtime.slot("a")
     runtime.finish(["a", "x"])
     aliased = runtime.cache.metrics()["pages_aliased"]
     runtime.bind_blocks([("again", [1, 2, 9], 2 * B)], [])
-    assert runtime.slot("again") == home                  # prefer= the last hit block's key
+    assert runtime.slot("again") == home                  # the last hit block's home
     assert runtime.cache.metrics()["pages_aliased"] == aliased   # found in place: nothing mapped
     assert same(runtime, "again", 0, 2 * B, 4)
 
