@@ -23,7 +23,8 @@ from vattn.bench.engine_profile import load_profiles, profile_markdown, read_sta
 from vattn.conformance.models import PRESETS, decode_traffic_bytes
 from vattn.core.errors import ConfigError
 
-__all__ = ["add_arguments", "run", "load_results", "markdown", "plot", "decode_bandwidth", "hits_line"]
+__all__ = ["add_arguments", "run", "load_results", "markdown", "plot", "decode_bandwidth", "hits_line",
+           "generations_line"]
 
 _ORDER = ("decode-heavy", "prefill-heavy", "long-context")
 
@@ -172,10 +173,14 @@ def markdown(results: dict, *, hbm_tbps: float | None = None, png: str | None = 
                          f"alternated): {', '.join(f'{r:.4f}' for r in p['ratios'])}; median "
                          f"**{p['median_ratio']:.4f}**")
     for name, report in results["workloads"].items():
+        gens = generations_line(name, report)
+        if gens:
+            lines.append(gens)
+    for name, report in results["workloads"].items():
         hits = hits_line(name, report)
         if hits:
             lines.append(hits)
-    if any(r.get("pooled") or r.get("paired") or hits_line(n, r)
+    if any(r.get("pooled") or r.get("paired") or hits_line(n, r) or generations_line(n, r)
            for n, r in results["workloads"].items()):
         lines.append("")
     ident = results["identity"]
@@ -186,6 +191,19 @@ def markdown(results: dict, *, hbm_tbps: float | None = None, png: str | None = 
         for mode, err in (report.get("errors") or {}).items():
             lines.append(f"- {name} / {mode} failed: `{str(err).strip().splitlines()[0][:300]}`")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def generations_line(name: str, report: dict) -> str | None:
+    """``- name: per generation ...``: stock's and vattn's seconds of each generation one engine
+    ran (``seconds_each``) and vattn's speed over stock's per generation — whether repeated
+    generations stay as flat as stock's (``None`` without two such lists of equal length > 1)."""
+    rows = _rows(report)
+    stock, vattn = ((rows.get(m) or {}).get("seconds_each") or [] for m in ("stock", "vattn"))
+    if len(stock) < 2 or len(stock) != len(vattn) or not all(stock) or not all(vattn):
+        return None
+    return (f"- {name}: seconds per generation of one engine: stock {', '.join(f'{s:.2f}' for s in stock)}; "
+            f"vattn {', '.join(f'{v:.2f}' for v in vattn)}; vattn / stock per generation "
+            f"{', '.join(f'{s / v:.3f}×' for s, v in zip(stock, vattn))}")
 
 
 def hits_line(name: str, report: dict) -> str | None:

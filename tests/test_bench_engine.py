@@ -143,3 +143,16 @@ def test_prefix_cache_hits_per_generation_are_listed_per_mode(tmp_path):
     assert "stock 520,192 (93.4 %), 555,008 (99.6 %)" in line and "vattn 520,192 (93.4 %), 540,672 (97.1 %)" in line
     mismatched = {"rows": {"vattn": {"cached_tokens_each": [5], "prompt_tokens_each": []}}}
     assert engine.hits_line("x", mismatched) is None
+
+
+def test_each_generation_of_one_engine_is_listed_with_its_ratio(tmp_path):
+    report = _throughput("decode-heavy", [256, 512, 512, 256], {"stock": 9.16, "vattn": 9.86})
+    report["rows"]["stock"]["seconds_each"] = [11.97, 9.16]
+    report["rows"]["vattn"]["seconds_each"] = [12.02, 9.86]
+    _write(tmp_path, "throughput_decode-heavy.json", report)
+    md = engine.markdown(engine.load_results(str(tmp_path)))
+    (line,) = [l for l in md.splitlines() if "seconds per generation" in l]
+    assert "stock 11.97, 9.16; vattn 12.02, 9.86" in line and "0.996×, 0.929×" in line
+    one = _throughput("x", [1, 1, 1, 1], {"stock": 1.0, "vattn": 1.0})
+    one["rows"]["stock"]["seconds_each"], one["rows"]["vattn"]["seconds_each"] = [1.0], [1.0]
+    assert engine.generations_line("x", one) is None
