@@ -180,15 +180,15 @@ def _busy(args) -> tuple[dict, str] | None:
     """The calls-while-busy table (CUDA only; ``None`` without a kernel to be busy with)."""
     if not args.device.startswith("cuda") or not args.busy_ms:
         return None
-    from .vmm_busy import busy_latency, cuda_busy, markdown
+    from .vmm_busy import busy_latency, cuda_busy, launch_stalls, markdown, stalls_markdown
     drv, dev = get_driver(args.device), torch.device(args.device)
     pages = min(args.pages, 32)
     idle = busy_latency(drv, pages, busy_ms=args.busy_ms, launch=None)
-    busy = {name: busy_latency(drv, pages, busy_ms=args.busy_ms,
-                               **dict(zip(("launch", "running", "idle"), cuda_busy(dev, side_stream=side))))
-            for name, side in (("default stream", False), ("own stream", True))}
-    from .vmm_busy import launch_stalls, stalls_markdown
-    launch, _, wait = cuda_busy(dev, side_stream=False)
+    kernels = {name: cuda_busy(dev, side_stream=side) for name, side in (("default stream", False),
+                                                                        ("own stream", True))}
+    busy = {name: busy_latency(drv, pages, busy_ms=args.busy_ms, launch=launch, running=running, idle=wait)
+            for name, (launch, running, wait) in kernels.items()}
+    launch, _, wait = kernels["default stream"]
     stalls = {w: launch_stalls(drv, launch, wait, worker=w) for w in (False, True)}
     body = markdown(idle, busy, args.busy_ms) + "\n\n" + stalls_markdown(stalls[False], stalls[True])
     return {"idle": idle, "busy": busy, "busy_ms": args.busy_ms, "launch_stalls": list(stalls.values())}, body

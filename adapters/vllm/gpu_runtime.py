@@ -116,7 +116,7 @@ class GpuRuntime:
         if new_request:
             if index in self._slot:                     # re-added without a removal: a new request
                 self.release(index)
-            prefix = list(block_ids[:hits]) if self.sharing else ()
+            prefix = block_ids[:hits] if self.sharing and hits else ()
             slot = self._retry(lambda: self._slot.take(index, expected_len=tokens, prefix=prefix))
             self.tables.assign(index, slot)
         elif index not in self._slot:
