@@ -163,14 +163,105 @@ class Binding:
             st.pool.give(pids)                        # the mapping holds them now
         return tuple(new)
 
+    def copy(self, src, dst) -> bool:
+        """:meth:`VirtualKVCache.copy_block` with checked arguments."""
+        st = self.state
+        sets = [st.keys.get(key) for key in (src, dst)]
+        for key, pids in zip((src, dst), sets):
+            if pids is None:
+                raise SlotError(f"copy of block key {key!r}, which no page-set holds (never bound "
+                                "by this cache, or dropped since)")
+        to = self._mapped_at(dst, sets[1])
+        if to is None:
+            raise SlotError(f"block key {dst!r} is not mapped where it was bound: bind it (fresh) "
+                            "in the request that writes it before copying into it")
+        at = self._mapped_at(src, sets[0])
+        if at is None:                                # mapped nowhere known: map it on top of a slot
+            at = self._park(src, sets[0], avoid=to[0])
+            if at is None:
+                return False
+        self.space.copy_set(at, to)
+        st.counters.blocks_copied += 1
+        return True
+
+    def _mapped_at(self, key, pids: tuple[int, ...]) -> tuple[int, int] | None:
+        """Where ``key``'s page-set is mapped: its home if the mapping there is still its own,
+        else any slot that maps it (a scan; the key's home is moved there), else ``None``."""
+        st = self.state
+        pages, n = st.pages, st.config.max_slots
+        home = st.keys.home.get(key)
+        if home is not None and home[0] < n:
+            st.settle(home[0])
+            if pages.at(*home) == pids:
+                return home
+        for slot in range(n):                         # a replaced home: another sharer's mapping
+            bottom = pages.mapped[slot][0]
+            if slot in st.slots.inflight or pids[0] not in bottom:
+                continue
+            index = bottom.index(pids[0])
+            if pages.at(slot, index) == pids:
+                st.keys.home[key] = (slot, index)
+                return slot, index
+        return None
+
+    def _park(self, key, pids: tuple[int, ...], avoid: int) -> tuple[int, int] | None:
+        """Map ``key``'s page-set on top of a slot (see :meth:`_spare_slot`; when none has room,
+        in place of a page-set no request reads: :meth:`_borrow_place`) and make it the key's
+        home; ``None`` when no slot can take it."""
+        st = self.state
+        spare = self._spare_slot(avoid)
+        if spare is not None:
+            place = spare, st.pages.usable(spare)
+        else:
+            place = self._borrow_place(avoid)
+            if place is None:
+                return None
+            st.wait_fence(place[0])                   # the slot's previous request may read it
+        st.pages.put(*place, [pids])
+        st.slots.mixed.add(place[0])
+        st.keys.home[key] = place
+        return place
+
+    def _borrow_place(self, avoid: int) -> tuple[int, int] | None:
+        """With every slot mapped to its end: the top page-set of an evenly mapped slot that its
+        request (if any) does not read (idle slots first, the one released longest ago; then
+        active ones above what they read), preferring one no key and no other mapping holds;
+        ``None`` if there is none. Mapping there replaces it (one unmap + map per range)."""
+        st = self.state
+        table, pages, n = st.slots, st.pages, st.config.max_slots
+        busy = {*table.inflight, *pages.retired, avoid}
+        order = np.lexsort((table.released_at[:n], table.active[:n]))
+        places = []
+        for slot in (int(s) for s in order):
+            top = pages.usable(slot) - 1
+            if slot in busy or top < 0 or (table.active[slot] and top < table.num_read_sets(slot)):
+                continue
+            if pages.mapped_evenly(slot):
+                places.append((slot, top))
+        refs, bound = st.pool.refs, pages.bound
+        free = (p for p in places if all(refs[q] == 1 and not bound[q] for q in pages.at(*p)))
+        return next(free, places[0] if places else None)
+
     def _spare_place(self, avoid: int) -> tuple[int, int] | None:
-        """A loose page-set made of free pool pages, mapped on top of a slot (idle ones first,
-        the one released longest ago; else an active one, above everything its request reads):
-        one map per range, no unmap and no fence, since nothing reads above a slot's top.
-        ``None`` when the pool is short of a page-set or no evenly mapped slot has room."""
+        """A loose page-set made of free pool pages, mapped on top of a slot (see
+        :meth:`_spare_slot`): one map per range, no unmap and no fence. ``None`` when the pool
+        is short of a page-set or no evenly mapped slot has room."""
         st = self.state
         if st.pool.num_free < st.layout.num_ranges:
             return None
+        spare = self._spare_slot(avoid)
+        if spare is None:
+            return None
+        index = st.pages.usable(spare)
+        if not st.pages.grow(spare, index + 1, st.slots.tenant[spare], ahead=False):
+            return None
+        return spare, index
+
+    def _spare_slot(self, avoid: int) -> int | None:
+        """A slot with room on top for one more page-set (idle ones first, the one released
+        longest ago; else an active one: nothing reads above a slot's top), mapped evenly, not
+        ``avoid``, not being mapped and without old mappings on a fence; ``None`` if none."""
+        st = self.state
         table, pages, n = st.slots, st.pages, st.config.max_slots
         room = pages.usable_n[:n] < st.layout.pages_per_slot
         room[avoid] = False
@@ -181,13 +272,7 @@ class Binding:
         order = np.lexsort((table.released_at[cands], table.active[cands]))
         # only a slot mapped evenly: after a failed driver call a range may hold pages above
         # the usable top (another block's, or a request's own), which a copy there would overwrite
-        spare = next((int(s) for s in cands[order] if pages.mapped_evenly(int(s))), None)
-        if spare is None:
-            return None
-        index = pages.usable(spare)
-        if not pages.grow(spare, index + 1, table.tenant[spare], ahead=False):
-            return None
-        return spare, index
+        return next((int(s) for s in cands[order] if pages.mapped_evenly(int(s))), None)
 
     def _move_out(self, slot: int, index: int, cur: tuple[int, ...], end: int) -> bool:
         """Move the cached block in page-set ``cur`` (at ``index`` of ``slot``) into a loose

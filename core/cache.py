@@ -322,6 +322,28 @@ class VirtualKVCache:
         with self._cond:
             return self._binding.claim(slot, index)
 
+    def copy_block(self, src, dst) -> bool:
+        """Copy the KV of block ``src`` into block ``dst`` (both bound keys; ``dst`` bound fresh
+        by the request that goes on writing it): copy-on-write for a prefix-cache hit that ends
+        inside a block, whose cached block stays immutable while the request gets its own
+        copy. One device copy of the whole page-set on the current stream, ordered after every
+        kernel queued so far (so after the writes of ``src``) and before every later one. A
+        ``src`` mapped nowhere known is first mapped on top of a slot; returns False when no
+        slot has room for it (nothing copied).
+
+        Raises
+        ------
+        SlotError
+            A key no page-set holds, ``src == dst``, or ``dst`` not mapped where it was bound.
+        DriverError
+            Mapping ``src`` failed; the record stays exact and the call can be retried.
+        """
+        self._check_open()
+        if src == dst:
+            raise SlotError(f"copy of block key {src!r} onto itself")
+        with self._cond:
+            return self._binding.copy(src, dst)
+
     def holds(self, key) -> bool:
         """Whether a page-set is bound to ``key`` (a hit on it would be honoured)."""
         with self._cond:

@@ -64,6 +64,7 @@ class Counters:
     keys_bound: int = 0               # bind(): fresh page-sets named by an engine block key
     prefix_hits: int = 0              # bind(): page-sets taken from a key (hits), mapped or in place
     page_sets_moved: int = 0          # bind(): a cached block copied out of a position a new one takes
+    blocks_copied: int = 0            # copy_block(): a block's KV copied into another's (copy-on-write)
     warm_hits: int = 0                # acquire() reused a slot with pages mapped
     map_page_us: Histogram = field(default_factory=Histogram)
     unmap_page_us: Histogram = field(default_factory=Histogram)

@@ -12,7 +12,10 @@ duration of ``initialize_kv_cache`` (so nothing outside that call sees them):
   ``model_runner.init_kv_cache`` -> :func:`bind_kv_views` (vLLM allocates no paged KV tensor:
   each layer is bound to vattn's virtual view instead);
 * ``GPUModelRunner._remove_request``: release the request index's slot (event-fenced);
-* ``GPUModelRunner.shutdown``: close the runtime (waits for fences, unmaps, frees VA).
+* ``GPUModelRunner.shutdown``: close the runtime (waits for fences, unmaps, frees VA);
+* ``model_runner.copy_kv_cache_blocks_inplace`` (vLLM's copy-on-write of a prefix hit that ends
+  inside a block, see :mod:`.fine_hits`): handed to :meth:`GpuRuntime.copy_blocks`, which copies
+  page-sets once the step's blocks are bound (vLLM's version would index vattn's views by block).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ __all__ = ["install_gpu", "PATCHES", "bind_kv_views"]
 
 PATCHES = ["GPUModelRunner.initialize_kv_cache", "GPUModelRunner._remove_request",
            "GPUModelRunner.shutdown", "model_runner.BlockTables (during initialize_kv_cache)",
-           "model_runner.init_kv_cache (during initialize_kv_cache)"]
+           "model_runner.init_kv_cache (during initialize_kv_cache)",
+           "model_runner.copy_kv_cache_blocks_inplace"]
 _MARK = "_vattn_patched"
 
 
@@ -48,10 +52,11 @@ def install_gpu() -> None:
     for name in ("initialize_kv_cache", "_remove_request", "shutdown"):
         if not callable(getattr(runner, name, None)):
             raise UnsupportedError(f"vattn: vllm.v1.worker.gpu.model_runner.GPUModelRunner.{name} is missing")
-    for name in ("BlockTables", "init_kv_cache"):
+    for name in ("BlockTables", "init_kv_cache", "copy_kv_cache_blocks_inplace"):
         if not hasattr(mr, name):
             raise UnsupportedError(f"vattn: vllm.v1.worker.gpu.model_runner.{name} is missing")
     runner.initialize_kv_cache = _wrap_init(runner.initialize_kv_cache, mr)
+    mr.copy_kv_cache_blocks_inplace = _wrap_copies(mr.copy_kv_cache_blocks_inplace)
     runner._remove_request = _wrap_remove(runner._remove_request)
     runner.shutdown = _wrap_shutdown(runner.shutdown)
     setattr(runner, _MARK, True)
@@ -129,6 +134,15 @@ def bind_kv_views(runtime, runner_kv_caches, forward_context, kv_cache_config, a
     kv_caches = {name: runtime.kv_view(index) for name, index in runtime.layer_of.items()}
     bind_kv_cache(kv_caches, forward_context, runner_kv_caches)
     return kv_caches
+
+
+def _wrap_copies(original):
+    @functools.wraps(original)
+    def copy_kv_cache_blocks_inplace(kv_caches, num_blocks, kv_cache_block_copies) -> None:
+        if not rt.installed():
+            return original(kv_caches, num_blocks, kv_cache_block_copies)
+        rt.current().copy_blocks(kv_cache_block_copies)
+    return copy_kv_cache_blocks_inplace
 
 
 def _wrap_remove(original):

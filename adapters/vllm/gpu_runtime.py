@@ -90,6 +90,7 @@ class GpuRuntime:
         self._pending: dict[int, int] = {}     # request index -> tokens its blocks cover
         self.sharing = prefix_caching
         self._binds: dict[int, list] = {}      # request index -> [first new block, new ids, hits]
+        self._copies: list[tuple[int, int]] = []   # (cached block, the request's copy), this step
         self._kv: dict[int, torch.Tensor] = {}
         self.step_us = Histogram()             # host time of apply() (ensure + upload) per step
         self.blocks_us = Histogram()           # host time of on_blocks() (incl. acquire) per call
@@ -130,8 +131,17 @@ class GpuRuntime:
                 pending[1].extend(block_ids)
         self.blocks_us.observe((time.perf_counter() - start) * 1e6)
 
+    def copy_blocks(self, copies) -> None:
+        """vLLM's copy-on-write for this step (``(src_block_id, dst_block_id)`` pairs: a prefix
+        hit that ends inside cached block ``src``, whose request got ``dst`` fresh): done by
+        :meth:`apply`, once ``dst`` is bound, before the forward."""
+        if not self.sharing:
+            raise VattnError("vLLM asked for KV block copies with prefix caching off")
+        self._copies.extend((int(src), int(dst)) for src, dst in copies)
+
     def apply(self) -> None:
-        """Map the pages of every request that got blocks this step; upload the slot table.
+        """Map the pages of every request that got blocks this step, copy what vLLM's
+        copy-on-write asks for; upload the slot table.
 
         Raises
         ------
@@ -150,6 +160,11 @@ class GpuRuntime:
             if failed:
                 raise VattnError(f"vattn could not map the page-sets of slots {failed} although vLLM "
                                  f"allocated their blocks; capacity: {self.cache.capacity()}")
+        for src, dst in self._copies:
+            if not self._retry(lambda: self.cache.copy_block(src, dst)):
+                raise VattnError(f"vattn could not copy block {src} into block {dst}: block {src} is "
+                                 f"mapped nowhere and no slot has room to map it")
+        self._copies.clear()
         if self._pending:
             indices = list(self._pending)
             slots = self._slot.array(indices)

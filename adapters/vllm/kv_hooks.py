@@ -20,6 +20,7 @@ wrap the model runner methods that carry that information and report it to the p
   until requests finish.
 * GPU (vLLM 0.26.0, V2 runner): ``initialize_kv_cache``, ``_remove_request`` and ``shutdown``
   of ``vllm.v1.worker.gpu.model_runner.GPUModelRunner``; see :mod:`.gpu_hooks`.
+* Both, in the engine core: prefix-cache hits finer than vattn's block (:mod:`.fine_hits`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from vattn.core.config import driver_retries, env_int
 from vattn.core.errors import ConfigError, UnsupportedError
 
 from . import runtime as rt
+from .fine_hits import GPU_UNIT, install_fine_hits
+from .fine_hits import PATCHES as FINE_PATCHES
 from .version import check_version
 
 __all__ = ["install_hooks", "PATCHES"]
@@ -42,9 +45,9 @@ __all__ = ["install_hooks", "PATCHES"]
 PATCHES: dict[str, list[str]] = {
     "cpu": ["CPUModelRunner.initialize_kv_cache", "CPUModelRunner._update_states",
             "CPUModelRunner.execute_model", "CPUModelRunner.sample_tokens",
-            "Scheduler.update_from_output"],
+            "Scheduler.update_from_output", *FINE_PATCHES],
     "gpu": ["GPUModelRunner.initialize_kv_cache", "GPUModelRunner._remove_request",
-            "GPUModelRunner.shutdown"],   # V2 runner; details in gpu_hooks.PATCHES
+            "GPUModelRunner.shutdown", *FINE_PATCHES],   # V2 runner; details in gpu_hooks.PATCHES
 }
 _MARK = "_vattn_patched"
 #: Preemptions for driver faults before a request is finished with an error (see
@@ -59,6 +62,7 @@ logger = logging.getLogger(__name__)
 def install_hooks() -> str:
     """Install the hooks for the installed vLLM; returns the runner family patched."""
     family = check_version()
+    install_fine_hits(GPU_UNIT if family == "gpu" else None)
     if family == "cpu":
         _install_cpu()
     else:
@@ -201,14 +205,13 @@ def _wrap_update_states(original):
     return _update_states
 
 
-def _step_blocks(scheduler_output) -> tuple[list[tuple[str, list[int], int]], list[tuple[str, list[int]]]]:
-    """The blocks this step hands out (prefix caching): ``(new, running)`` for
+def _step_blocks(scheduler_output) -> tuple[list, list, list]:
+    """The blocks this step hands out (prefix caching): ``(new, running, copies)`` for
     :meth:`~.runtime.VattnRuntime.bind_blocks`. New requests and requests resumed after
     preemption (their ``new_block_ids`` replace their block list) start with all their blocks
-    and their prefix-cache hit (``num_computed_tokens``); running requests append blocks."""
-    if getattr(scheduler_output, "kv_cache_block_copies", None):
-        raise UnsupportedError("vattn: vLLM asked to copy KV blocks (copy-on-write of a prefix-cache "
-                               "hit that ends inside a block); vattn shares whole blocks only")
+    and their prefix-cache hit (``num_computed_tokens``); running requests append blocks;
+    ``copies``: vLLM's copy-on-write of hits that end inside a block (:mod:`.fine_hits`)."""
+    copies = [(int(c[0]), int(c[1])) for c in getattr(scheduler_output, "kv_cache_block_copies", None) or ()]
     new = [(r.req_id, _one_group(r.req_id, r.block_ids), int(r.num_computed_tokens))
            for r in scheduler_output.scheduled_new_reqs]
     cached = scheduler_output.scheduled_cached_reqs
@@ -220,7 +223,7 @@ def _step_blocks(scheduler_output) -> tuple[list[tuple[str, list[int], int]], li
             new.append((req_id, _one_group(req_id, ids), int(cached.num_computed_tokens[i])))
         elif ids is not None:
             running.append((req_id, _one_group(req_id, ids), int(cached.num_computed_tokens[i])))
-    return new, running
+    return new, running, copies
 
 
 def _one_group(req_id: str, block_ids) -> list[int]:

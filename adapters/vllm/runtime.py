@@ -173,7 +173,8 @@ class VattnRuntime:
         for req_id in finished:
             self.faults.left(req_id, finished=True)
 
-    def bind_blocks(self, new: list[tuple[str, list[int], int]], running: list[tuple]) -> list[str]:
+    def bind_blocks(self, new: list[tuple[str, list[int], int]], running: list[tuple],
+                    copies=()) -> list[str]:
         """Prefix caching: give this step's requests the page-sets of the blocks vLLM gave them.
 
         Parameters
@@ -184,9 +185,14 @@ class VattnRuntime:
             block_size`` blocks are vLLM's prefix-cache hit: those page-sets are mapped into the
             request's region as they are (shared); the request takes the idle slot where the
             last hit block was mapped when there is one (a repeated prompt finds its prefix in
-            place). ``num_computed_tokens`` must be whole blocks.
+            place). A hit that ends inside a block comes with vLLM's copy-on-write of it.
         running : list of (req_id, new_block_ids[, num_computed_tokens])
             Requests that hold a slot and got more blocks: bound after the ones they hold.
+        copies : list of (src_block_id, dst_block_id)
+            vLLM's copy-on-write this step (``kv_cache_block_copies``, see :mod:`.fine_hits`): a
+            new request's hit ends inside cached block ``src``; its own fresh block ``dst`` gets a
+            copy of it once bound (:meth:`VirtualKVCache.copy_block`). A request whose copy fails
+            (driver faults past the retries; ``src`` mapped nowhere and no room to map it) is killed.
 
         Running requests are bound first, then the new ones; a new request whose hit names a
         block another request of this step receives fresh (vLLM caches a block when it is
@@ -200,16 +206,20 @@ class VattnRuntime:
         Raises
         ------
         UnsupportedError
-            A hit that ends inside a block.
+            A hit that ends inside a block without a copy of it.
         VattnError
-            A hit on a block no request received, or an unknown running request.
+            A hit on a block no request received, a hit longer than the request's blocks, or an
+            unknown running request.
         """
         if not self.sharing:
             raise VattnError("bind_blocks needs the runtime built with block_size (prefix caching on)")
-        starts = [(req_id, ids, self._hits(req_id, ids, done)) for req_id, ids, done in new]
+        copies = [(int(src), int(dst)) for src, dst in copies]
+        source = {dst: src for src, dst in copies}
+        starts = [(req_id, ids, self._hits(req_id, ids, done, source)) for req_id, ids, done in new]
         given = {b for r in running for b in r[1]} | {b for _, ids, hits in starts for b in ids[hits:]}
         for req_id, ids, hits in starts:          # before anything is acquired: nothing to undo
-            lost = [b for b in ids[:hits] if b not in given and not self.cache.holds(b)]
+            copied = [source[ids[hits]]] if hits < len(ids) and ids[hits] in source else []
+            lost = [b for b in ids[:hits] + copied if b not in given and not self.cache.holds(b)]
             if lost:
                 raise VattnError(f"request {req_id!r} hits blocks {lost} that no request received "
                                  f"(vLLM's block ids and vattn's keys disagree)")
@@ -243,7 +253,26 @@ class VattnRuntime:
             self._blocks[req_id] = 0
             items.append((req_id, 0, ids, hits))
         self._bind_in_order(items, before)
+        self._copy(copies, {ids[hits]: req_id for req_id, ids, hits in starts if hits < len(ids)}, before)
         return [r for r in self.faults.failures if r not in killed_before]
+
+    def _copy(self, copies: list[tuple[int, int]], owner: dict[int, str], before: dict[str, int]) -> None:
+        """vLLM's copy-on-write: each ``(src, dst)`` into the request that got ``dst`` fresh (a
+        request killed meanwhile is skipped; one whose copy fails is killed)."""
+        for src, dst in copies:
+            req_id = owner.get(dst)
+            if req_id is None:
+                raise VattnError(f"vLLM asked to copy block {src} into block {dst}, which no request "
+                                 f"starting this step got as its first fresh block")
+            if req_id in self.faults.dead:
+                continue
+            ok, why = self.faults.retry(lambda: self.cache.copy_block(src, dst))
+            if why == "short":
+                self.kill(req_id, f"block {src} to copy is mapped nowhere and no slot has room for it",
+                          before=before[req_id], action=PREEMPT)
+            elif not ok:
+                self.kill(req_id, why, before=before[req_id], fault=True)
+
 
     def _bind_in_order(self, items: list[tuple[str, int, list[int], int]], before: dict[str, int]) -> None:
         """Bind the items (``(req_id, start, ids, hits)``) one at a time, a hit on a block another
@@ -345,13 +374,17 @@ class VattnRuntime:
         """The requests killed since the last call, for vLLM's scheduler (see :data:`FAILED_ATTR`)."""
         return self.faults.take()
 
-    def _hits(self, req_id: str, block_ids: list[int], num_computed: int) -> int:
-        """Whole blocks of a starting request's prefix-cache hit."""
+    def _hits(self, req_id: str, block_ids: list[int], num_computed: int, copied: dict) -> int:
+        """Whole blocks of a starting request's prefix-cache hit (a hit that ends inside the next
+        block needs vLLM's copy of it into that block: ``copied``, dst -> src)."""
         hits, partial = divmod(num_computed, self.block_size)
-        if partial or hits > len(block_ids):
+        if -(-num_computed // self.block_size) > len(block_ids):
+            raise VattnError(f"request {req_id!r}: a prefix-cache hit of {num_computed} tokens needs "
+                             f"more than its {len(block_ids)} blocks of {self.block_size} tokens")
+        if partial and block_ids[hits] not in copied:
             raise UnsupportedError(f"request {req_id!r}: a prefix-cache hit of {num_computed} tokens "
-                                   f"is not {hits} whole blocks of {self.block_size} tokens out of "
-                                   f"{len(block_ids)}: vattn shares whole blocks only")
+                                   f"ends inside block {hits} of {len(block_ids)} ({self.block_size} "
+                                   f"tokens each) and vLLM sent no copy of the cached block into it")
         return hits
 
     def blocks(self, req_id: str) -> int:

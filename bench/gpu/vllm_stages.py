@@ -139,6 +139,10 @@ def stage_identity(args) -> dict:
     report = {"eager": eager, "inproc": inproc, "shared_prefixes": shared, "errors": errors,
               "kv_cache_memory_bytes": kv_bytes or None,
               "num_gpu_blocks": {m: r.extra.get("num_gpu_blocks") for m, r in results.items()},
+              # prompt tokens each mode served from vLLM's prefix cache (shared prefixes: the
+              # same hit rate is expected of every mode, vattn hitting inside its page-sets)
+              "cached_tokens": {m: sum(c or 0 for c in r.extra.get("num_cached_tokens") or ())
+                                for m, r in results.items()},
               "modes": list(results), "ok": not errors}
     if "stock" in results:
         report["not_degenerate"] = check_not_degenerate(results["stock"].token_ids)

@@ -27,8 +27,8 @@ def engine_kwargs(spec: dict) -> dict:
     who only turns vattn on would. On GPU: ``stock`` is ``FLASH_ATTN`` with 16-token blocks, ``ceiling`` the same kernel with one
     ``max_model_len`` block per request (``num_gpu_blocks_override = max_num_seqs + 1``, block 0
     being vLLM's null block), ``vattn`` the ``CUSTOM`` backend with the block size it prefers
-    (tokens per page-set; ``vattn_block_size`` in the spec forces one). On CPU ``block_size`` in
-    the spec sets vLLM's block size in every mode. ``llm_kwargs`` in the spec: ``LLM(...)``
+    (tokens per page-set). On CPU ``block_size`` in the spec sets vLLM's block size in every mode.
+    ``vattn_block_size`` in the spec sets the vattn modes' own (GPU and CPU). ``llm_kwargs`` in the spec: ``LLM(...)``
     arguments added last, over everything above (``vattn compare --engine-option vllm:KEY=VALUE``).
     """
     mode, gpu = spec["mode"], spec["device"].startswith("cuda")
@@ -50,8 +50,6 @@ def engine_kwargs(spec: dict) -> dict:
         kw["attention_backend"] = "CUSTOM" if mode.startswith("vattn") else "FLASH_ATTN"
         if mode == "stock":
             kw["block_size"] = STOCK_BLOCK_SIZE
-        if mode.startswith("vattn") and spec.get("vattn_block_size"):
-            kw["block_size"] = spec["vattn_block_size"]
         if spec.get("compilation_config") is not None:
             kw["compilation_config"] = spec["compilation_config"]
         if spec.get("profile_dir"):   # vLLM's torch profiler in the engine core, a window of steps
@@ -59,6 +57,8 @@ def engine_kwargs(spec: dict) -> dict:
                 profiler="torch", torch_profiler_dir=spec["profile_dir"], ignore_frontend=True,
                 torch_profiler_with_stack=False, delay_iterations=spec.get("profile_delay", 0),
                 max_iterations=spec.get("profile_steps", 0))
+    if mode.startswith("vattn") and spec.get("vattn_block_size"):
+        kw["block_size"] = spec["vattn_block_size"]
     if mode == "ceiling":
         if spec.get("sizing") == "defaults":
             raise ValueError("the ceiling mode sizes one block per request: it needs "

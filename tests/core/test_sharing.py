@@ -322,3 +322,119 @@ def test_a_failed_replacement_whose_undo_fails_too_leaves_a_healable_hole():
         cache.audit()
     finally:
         cache.close()
+
+
+def test_copy_on_write_gives_the_request_its_own_copy_and_leaves_the_cached_block_as_it_was(cache):
+    """A hit ending inside block ``c1`` (vLLM's partial hit): the request shares ``c0`` and gets
+    ``x1`` fresh, holding a copy of ``c1``; what it writes into ``x1`` never reaches ``c1``."""
+    a = cache.acquire()
+    assert cache.bind(a, 0, ["c0", "c1"])
+    fill(cache, a, 0, T, 4)
+    fill(cache, a, T, 2 * T, 6)
+    cache.release(a)
+    b = cache.acquire(prefix=["c0"])
+    assert cache.bind(b, 0, ["c0", "x1"], hits=1)
+    assert cache.copy_block("c1", "x1")
+    assert same(cache, b, 0, T, 4) and same(cache, b, T, 2 * T, 6)
+    keys = cache._state.keys
+    assert set(keys.get("x1")).isdisjoint(keys.get("c1")) and cache.metrics()["blocks_copied"] == 1
+    fill(cache, b, T + T // 2, 2 * T, 9)                  # the request goes on writing its copy
+    c = cache.acquire()
+    assert cache.bind(c, 0, ["c0", "c1"], hits=2)         # the cached block is as it was
+    assert same(cache, c, T, 2 * T, 6) and same(cache, b, T, T + T // 2, 6)
+
+
+def test_a_copy_from_a_block_mapped_nowhere_maps_it_on_top_of_a_slot_first(cache):
+    """Its pages unmapped everywhere (reclaimed) but still held by its key, the source block
+    is mapped on top of another slot (one map per range, no unmap) and copied from there."""
+    a = cache.acquire()
+    assert cache.bind(a, 0, ["c0", "c1"])
+    fill(cache, a, 0, 2 * T, 3)
+    cache.release(a)
+    cache.reclaim()
+    assert cache.mapped_tokens(a) == 0
+    b = cache.acquire()
+    assert cache.bind(b, 0, ["y0"])
+    before = cache.metrics()
+    assert cache.copy_block("c1", "y0")
+    m = cache.metrics()
+    assert m["map_calls"] - before["map_calls"] == cache.layout.num_ranges
+    assert m["unmap_calls"] == before["unmap_calls"]
+    assert same(cache, b, 0, T, 3)
+    d = cache.acquire()
+    assert cache.bind(d, 0, ["c0", "c1"], hits=2)         # both still hit, c1 from its new home
+    assert same(cache, d, 0, 2 * T, 3)
+
+
+def test_a_copy_finds_its_block_where_another_request_maps_it():
+    """The block's home position was replaced (it was shared, so it stayed mapped in the other
+    request's region): the copy reads it there, with no VMM call."""
+    with make_cache(max_slots=3) as cache:
+        a = cache.acquire()
+        assert cache.bind(a, 0, ["c0", "c1"])
+        fill(cache, a, 0, 2 * T, 5)
+        b = cache.acquire()
+        assert cache.bind(b, 0, ["c0", "c1"], hits=2)     # shared: home of c1 is now (b, 1)
+        cache.release(b)
+        c = cache.acquire(prefix=["c0"])
+        assert c == b and cache.bind(c, 0, ["c0", "n1"], hits=1)   # n1 replaces c1 at (b, 1)
+        assert cache._pages.at(b, 1) != cache._pages.at(a, 1)
+        d = cache.acquire()
+        assert cache.bind(d, 0, ["z0"])
+        before = cache.metrics()
+        assert cache.copy_block("c1", "z0")
+        m = cache.metrics()
+        assert m["map_calls"] == before["map_calls"] and same(cache, d, 0, T, 5)
+        cache.audit()
+
+
+def test_with_every_slot_full_a_copy_from_an_unmapped_block_borrows_an_idle_slots_top():
+    """Every slot mapped to its end (an engine's pre-warm of a large pool) and the source block
+    unmapped everywhere: it is mapped in place of the top page-set of the idle slot released
+    longest ago (one unmap + map per range), then copied."""
+    with make_cache(max_slots=3, max_context=2 * T) as cache:
+        a = cache.acquire()
+        assert cache.bind(a, 0, ["c0", "c1"])
+        fill(cache, a, 0, 2 * T, 6)
+        cache.release(a)
+        cache.reclaim()                                    # c0, c1 now mapped nowhere
+        cache.prewarm(2 * T)                               # every slot full again
+        assert all(cache.mapped_tokens(s) == 2 * T for s in range(3))
+        b = cache.acquire()
+        assert cache.bind(b, 0, ["y0"])
+        before = cache.metrics()
+        assert cache.copy_block("c1", "y0")
+        m = cache.metrics()
+        assert m["unmap_calls"] - before["unmap_calls"] == cache.layout.num_ranges
+        assert m["map_calls"] - before["map_calls"] == cache.layout.num_ranges
+        assert same(cache, b, 0, T, 6)
+        cache.audit()
+
+
+def test_with_every_slot_active_and_full_the_copy_borrows_a_page_set_no_request_reads():
+    """No idle slot and no room: the block is mapped in place of the top page-set of an active
+    slot whose request does not read that far (as an engine's pre-warm leaves them); the
+    request later grows into that position without touching the block."""
+    with make_cache(max_slots=2, max_context=3 * T) as cache:
+        a = cache.acquire()
+        assert cache.bind(a, 0, ["c0", "c1"])
+        fill(cache, a, 0, 2 * T, 2)
+        cache.release(a)
+        cache.reclaim()
+        cache.prewarm(3 * T)
+        b, d = cache.acquire(), cache.acquire()
+        assert cache.bind(b, 0, ["y0"]) and cache.bind(d, 0, ["z0", "z1"])
+        cache.ensure({b: T, d: 2 * T})
+        fill(cache, d, 0, 2 * T, 9)
+        assert cache.copy_block("c1", "y0")
+        assert same(cache, b, 0, T, 2) and same(cache, d, 0, 2 * T, 9)
+        cache.audit()
+        assert cache.bind(d, 2, ["z2"])                    # d grows into the borrowed place
+        cache.ensure({d: 3 * T})
+        fill(cache, d, 2 * T, 3 * T, 4)
+        assert same(cache, b, 0, T, 2) and same(cache, d, 0, 2 * T, 9)
+        cache.release(b)
+        f = cache.acquire()
+        assert cache.bind(f, 0, ["c0", "c1"], hits=2)      # c1 still holds its content
+        assert same(cache, f, T, 2 * T, 2)
+        cache.audit()

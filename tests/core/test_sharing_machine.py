@@ -122,6 +122,33 @@ class SharingMachine(RuleBasedStateMachine):
             assert self.cache.bind(slot, 0, blocks, hits=len(hit)), "bind ran short"
             self._admitted(slot, blocks, hit)
 
+    @precondition(lambda self: len(self.running) < SLOTS)
+    @rule(choice=st.integers(0, 50), hit_len=st.integers(1, 4), fresh=st.integers(0, 2))
+    def admit_copy_on_write(self, choice, hit_len, fresh):
+        """A hit that ends inside its last block (vLLM's partial hit): the whole blocks before it
+        are shared, and a fresh block takes a copy of the last one, which stays as it was."""
+        got = self._admission(choice, hit_len, fresh + 1)
+        if got is None:
+            return
+        slot, blocks, hit = got
+        if not hit:                    # nothing cached to copy from: an ordinary admission
+            assert self.cache.bind(slot, 0, blocks), "bind ran short"
+            self._admitted(slot, blocks, hit)
+            return
+        src, hit = hit[-1], hit[:-1]
+        blocks = hit + blocks[len(hit) + 1:]
+        index = len(hit)
+        assert self.cache.bind(slot, 0, blocks, hits=len(hit)), "bind ran short"
+        copied = self.cache.copy_block(src, blocks[index])
+        SharingMachine.totals["copied" if copied else "not_copied"] = \
+            SharingMachine.totals.get("copied" if copied else "not_copied", 0) + 1
+        if copied:
+            got = self.kv[:, slot, index * T:(index + 1) * T]
+            assert (got == self.value[src]).all(), f"the copy of {src} reads other data"
+        if src not in self._in_use():  # retained until copied (vLLM), then cached again
+            self.cached[src] = self.value[src]
+        self._admitted(slot, blocks, hit)   # the copy is overwritten: src must not change
+
     def _admission(self, choice, hit_len, fresh):
         """A new request's ``(slot, blocks, hit)``, acquired and not bound yet (``None``: the
         engine has too few free blocks)."""
@@ -235,3 +262,4 @@ def test_sharing_state_machine():
     # the run exercised what it is about: hits mapped from other slots, and block reuse
     assert t["prefix_hits"] > 100 and t["pages_aliased"] > 100 and t["evicting"] > 10, t
     assert t["page_sets_moved"] > 10 and t["forgotten"] > 10 and t["claimed"] > 50, t
+    assert t["copied"] > 50, t         # copy-on-write of a hit ending inside a block

@@ -155,11 +155,28 @@ def test_a_hit_on_a_block_another_request_gets_this_step_is_bound_after_it(runti
     assert "lost" not in runtime._slot_of
 
 
-def test_a_hit_inside_a_block_is_refused(runtime):
-    with pytest.raises(UnsupportedError, match="whole blocks"):
+def test_a_hit_inside_a_block_without_vllms_copy_is_refused(runtime):
+    with pytest.raises(UnsupportedError, match="sent no copy of the cached block"):
         runtime.bind_blocks([("a", [1, 2], B + 5)], [])
-    with pytest.raises(UnsupportedError, match="whole blocks"):
+    with pytest.raises(VattnError, match="needs more than its 1 blocks"):
+        runtime.bind_blocks([("a", [1], B + 5)], [], copies=[(3, 1)])
+    with pytest.raises(VattnError, match="needs more than its 1 blocks"):
         runtime.bind_blocks([("a", [1], 2 * B)], [])
+
+
+def test_a_hit_inside_a_block_copies_the_cached_block_into_the_requests_own(runtime):
+    """vLLM's copy-on-write: ``b`` hits 1.5 blocks of ``a``'s: block 1 is shared, cached block 2
+    is copied into ``b``'s fresh block 9, which ``b`` then writes without touching block 2."""
+    runtime.bind_blocks([("a", [1, 2], 0)], [])
+    fill(runtime, "a", 0, B, 3)
+    fill(runtime, "a", B, 2 * B, 4)
+    killed = runtime.bind_blocks([("b", [1, 9], B + B // 2)], [], copies=[(2, 9)])
+    assert killed == [] and runtime.cache.metrics()["blocks_copied"] == 1
+    assert same(runtime, "b", 0, B, 3) and same(runtime, "b", B, 2 * B, 4)
+    fill(runtime, "b", B + B // 2, 2 * B, 8)
+    assert same(runtime, "a", B, 2 * B, 4)
+    with pytest.raises(VattnError, match="no request starting this step got"):
+        runtime.bind_blocks([("c", [1, 12], B + 1)], [], copies=[(2, 12), (2, 13)])
 
 
 def test_a_request_without_blocks_is_a_bug_not_a_fresh_slot(runtime):
@@ -289,9 +306,11 @@ def test_update_hook_binds_new_running_and_resumed_requests(hooked, monkeypatch)
     assert run._slot_of.as_dict() == {} and run._blocks == {}
 
 
-def test_update_hook_refuses_block_copies(hooked):
-    with pytest.raises(UnsupportedError, match="copy KV blocks"):
-        hooked.step(_output(new=[_new("a", [1])], scheduled={"a": 3}, copies=[(1, 2)]))
+def test_update_hook_hands_vllms_block_copies_to_the_runtime(hooked):
+    hooked.step(_output(new=[_new("a", [1, 2])], scheduled={"a": 2 * B}))
+    hooked.runtime.end_step()
+    hooked.step(_output(new=[_new("b", [1, 5], B + 3)], scheduled={"b": B - 3}, copies=[(2, 5)]))
+    assert hooked.runtime.cache.metrics()["blocks_copied"] == 1
 
 
 def test_update_hook_refuses_blocks_of_several_groups(hooked):

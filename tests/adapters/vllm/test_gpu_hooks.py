@@ -4,6 +4,7 @@ The hooks target vLLM 0.26.0's V2 runner; what runs here is the wrapper logic ag
 the runner and of its module, plus the backend classes' static answers.
 """
 
+import contextlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -221,15 +222,16 @@ def test_impl_stores_at_slot_rows_and_attends_per_request(fake_module, monkeypat
     assert pages == [runtime.attn_rows] and (runtime.attn_rows % 128 != 0) == (exact == "1")
 
 
-def test_block_tables_pass_vllm_block_ids_and_prefix_hits(fake_module):
-    """With prefix caching on, a new request's hit (num_computed_tokens, set by vLLM before its
-    blocks arrive) maps the first request's page-sets into its own region."""
+@contextlib.contextmanager
+def _sharing_tables(fake_module):
+    """The wired ``VattnBlockTables`` of a runner with prefix caching on (vLLM's own block count
+    bookkeeping stood in for: its ``__init__`` needs UVA, a GPU)."""
     from vattn.adapters.vllm.block_tables import VattnBlockTables
     runner = _runner(prefix_caching=True)
     seen = {}
     gpu_hooks._wrap_init(_fake_initialize(fake_module, seen), fake_module)(runner, _kv_config())
     assert seen["tables"].keywords["num_computed"] is runner.req_states.num_computed_tokens_np
-    tables = object.__new__(VattnBlockTables)        # vLLM's __init__ needs UVA (a GPU)
+    tables = object.__new__(VattnBlockTables)
     tables.runtime, tables._seq_lens = rt.current(), runner.input_buffers.seq_lens
     tables._num_computed, tables.block_sizes = runner.req_states.num_computed_tokens_np, [1024]
     tables.num_blocks = SimpleNamespace(np=np.zeros((1, 3), dtype=np.int32))
@@ -238,15 +240,52 @@ def test_block_tables_pass_vllm_block_ids_and_prefix_hits(fake_module):
         def append(self, index, ids, overwrite):     # vLLM's bookkeeping: the block count
             self.num_blocks.np[0, index] = (0 if overwrite else self.num_blocks.np[0, index]) + len(ids[0])
         VattnBlockTables.__mro__[1].append_block_ids = append
+        yield tables
+    finally:
+        VattnBlockTables.__mro__[1].append_block_ids = stock
+
+
+def test_block_tables_pass_vllm_block_ids_and_prefix_hits(fake_module):
+    """With prefix caching on, a new request's hit (num_computed_tokens, set by vLLM before its
+    blocks arrive) maps the first request's page-sets into its own region."""
+    with _sharing_tables(fake_module) as tables:
+        computed = tables._num_computed
         tables.append_block_ids(0, ([3, 4],), overwrite=True)
-        tables.apply_staged_writes = None
         tables.runtime.apply()
-        runner.req_states.num_computed_tokens_np[1] = 1024        # one whole block cached
+        computed[1] = 1024                                        # one whole block cached
         tables.append_block_ids(1, ([3, 6],), overwrite=True)
         tables.runtime.apply()
         cache, (a, b) = tables.runtime.cache, (tables.runtime.slot(0), tables.runtime.slot(1))
         assert cache._pages.at(a, 0) == cache._pages.at(b, 0) and cache._pages.at(a, 1) != cache._pages.at(b, 1)
         assert cache.metrics()["prefix_hits"] == 1 and tables.runtime.metrics()["prefix_caching"] is True
         cache.audit()
-    finally:
-        VattnBlockTables.__mro__[1].append_block_ids = stock
+
+
+def test_a_hit_ending_inside_a_block_gets_vllms_copy_of_it(fake_module):
+    """vLLM's copy-on-write (``copy_kv_cache_blocks_inplace``, patched): a hit of 1.5 blocks
+    shares block 3 and copies cached block 4 into the request's fresh block 7, in ``apply``,
+    after 7 is bound; vLLM's own copy runs only where no runtime is installed."""
+    with _sharing_tables(fake_module) as tables:
+        runtime = tables.runtime
+        tables.append_block_ids(0, ([3, 4],), overwrite=True)
+        runtime.apply()
+        a = runtime.slot(0)
+        for layer in range(4):
+            runtime.kv_view(layer)[:, a, :2048] = torch.arange(2048, dtype=torch.float32)[:, None, None]
+        tables._num_computed[1] = 1024 + 512
+        tables.append_block_ids(1, ([3, 7],), overwrite=True)     # vLLM's CoW block replaces 4
+        calls = []
+        copy = gpu_hooks._wrap_copies(lambda *args: calls.append(args))
+        copy([], 9, [(4, 7)])
+        assert calls == [] and runtime.cache.metrics()["blocks_copied"] == 0   # not before apply
+        runtime.apply()
+        b = runtime.slot(1)
+        assert b != a and runtime.cache.metrics()["blocks_copied"] == 1
+        for layer in range(4):
+            assert torch.equal(runtime.kv_view(layer)[:, b, :2048], runtime.kv_view(layer)[:, a, :2048])
+        runtime.kv_view(0)[:, b, 1536:2048] = -1.0                 # the request writes its copy
+        assert runtime.kv_view(0)[:, a, 1536:2048].min() == 1536   # the cached block is untouched
+        runtime.cache.audit()
+        rt.uninstall()
+        copy(["kv"], 9, [(4, 7)])
+        assert calls == [(["kv"], 9, [(4, 7)])]

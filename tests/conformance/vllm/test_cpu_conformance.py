@@ -76,6 +76,30 @@ def test_identity_with_prefix_caching_on_both_sides(tiny_model):
     _assert_identical(stock, vattn, 12)
 
 
+def test_identity_with_hits_that_end_inside_vattns_block(tiny_model):
+    """vattn's block (64 tokens) is twice stock's (32), and both hit every 32 tokens (vLLM's
+    ``prefix_match_unit``; a single KV cache group: stock vLLM honours it only at its block
+    size, vattn's engine-core patch below it): a hit that ends inside a vattn block is vLLM's
+    copy-on-write of the cached block into the request's fresh one. The same hits as stock,
+    the same tokens and log-probs."""
+    from vattn.conformance.runners.vllm import VllmRunner
+    runner = VllmRunner(device="cpu", max_num_seqs=4,
+                        engine_args={"prefix_caching": True, "block_size": BLOCK, "vattn_block_size": 2 * BLOCK,
+                                     "llm_kwargs": {"prefix_match_unit": BLOCK}})
+    prompts = _shared_prefix_prompts()
+    stock = runner.run("stock", tiny_model, prompts, 12)
+    vattn = runner.run("vattn", tiny_model, prompts, 12)
+    assert vattn.extra["engine_kwargs"]["block_size"] == 2 * BLOCK
+    cached = stock.extra["num_cached_tokens"]
+    inside = [c for c in cached if c % (2 * BLOCK)]
+    assert len(inside) >= 5, cached                         # hits that end inside a vattn block
+    assert vattn.extra["num_cached_tokens"] == cached         # stock's hit rate, to the token
+    metrics = vattn.extra["vattn_metrics"]
+    assert metrics["blocks_copied"] == len(inside), (metrics, cached)
+    assert metrics["prefix_hits"] == sum(c // (2 * BLOCK) for c in cached), (metrics, cached)
+    _assert_identical(stock, vattn, 12)
+
+
 def test_ceiling_mode_refused_on_cpu():
     from vattn.conformance.runners.vllm import VllmRunner
     from vattn.core.errors import ConfigError
