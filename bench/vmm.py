@@ -34,7 +34,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--busy-ms", type=argtypes.non_negative_float, default=20.0,
                         help="CUDA: also time each call while a kernel of this many ms runs (0: skip)")
     parser.add_argument("--busy-only", action="store_true",
-                        help="only the calls-while-busy table (no latency sweep, no decode loops)")
+                        help="only the calls-while-busy table (no latency sweep, no decode loops; "
+                             "the same as --only busy)")
+    parser.add_argument("--alias-threads", type=argtypes.int_list, default=(),
+                        help="also map one set of shared pages into many regions with each of these "
+                             "thread counts (e.g. 1,2,4,8; empty: skip)")
+    parser.add_argument("--alias-pages", type=argtypes.positive_int, default=32,
+                        help="shared pages per region of the aliasing table (a 4,096-token prefix "
+                             "of Llama-3-8B at G=4: 32 per range)")
+    parser.add_argument("--alias-regions", type=argtypes.positive_int, default=64,
+                        help="regions the shared pages are mapped into")
+    parser.add_argument("--alias-chunk", type=argtypes.positive_int, default=1,
+                        help="pages per physical allocation of the aliasing table, each mapped with "
+                             "one call (must divide --alias-pages; 1: one call per page, as vattn maps)")
+    parser.add_argument("--only", choices=("busy", "alias"), default=None,
+                        help="only the calls-while-busy table or only the aliasing table")
     parser.add_argument("--benchmarks", default="BENCHMARKS.md", help="file to write the section to")
     parser.add_argument("--json", default=None, help="also write the raw numbers here")
 
@@ -197,20 +211,38 @@ def _busy(args) -> tuple[dict, str] | None:
 def run(args) -> int:
     page = get_driver(args.device).granularity          # UnsupportedError if the backend is missing
     check_fits(f"--pages {args.pages}", args.pages * page, args.device, hint="pass a smaller --pages")
-    if args.busy_only and not (args.device.startswith("cuda") and args.busy_ms):
+    only = "busy" if args.busy_only else args.only
+    if only == "busy" and not (args.device.startswith("cuda") and args.busy_ms):
         raise UnsupportedError(f"--busy-only needs a CUDA device and --busy-ms > 0, got --device "
                                f"{args.device} --busy-ms {args.busy_ms:g}")
-    lat, loops = (None, []) if args.busy_only else (call_latency(args.device, args.pages), [])
-    for batch in () if args.busy_only else args.batches:
+    if only == "alias" and not args.alias_threads:
+        raise UnsupportedError("--only alias needs --alias-threads (e.g. 1,2,4,8)")
+    check_fits("the aliasing table", args.alias_pages * page, args.device, hint="pass a smaller --alias-pages")
+    lat, loops = (call_latency(args.device, args.pages), []) if only is None else (None, [])
+    for batch in args.batches if only is None else ():
         for ahead in (0, 256):
             loops.append(decode_loop(args, batch, map_ahead=ahead))
             print(json.dumps(loops[-1]))
-    busy = _busy(args)
-    body = "\n\n".join(([_markdown(lat, loops, args)] if lat else []) + ([busy[1]] if busy else []))
+    busy = _busy(args) if only in (None, "busy") else None
+    alias = None
+    if args.alias_threads and only in (None, "alias"):
+        from .vmm_alias import alias_throughput, markdown
+        if args.alias_chunk > 1 and not args.device.startswith("cuda"):
+            raise UnsupportedError(f"--alias-chunk {args.alias_chunk} needs a CUDA device (the host "
+                                   f"backend has one page per allocation), got --device {args.device}")
+        if args.alias_pages % args.alias_chunk:
+            raise UnsupportedError(f"--alias-chunk {args.alias_chunk} must divide --alias-pages "
+                                   f"{args.alias_pages}")
+        rows = alias_throughput(args.device, pages=args.alias_pages, regions=args.alias_regions,
+                                threads=list(args.alias_threads), chunk=args.alias_chunk)
+        alias = rows, markdown(rows, page)
+    body = "\n\n".join(([_markdown(lat, loops, args)] if lat else []) + ([busy[1]] if busy else []) +
+                        ([alias[1]] if alias else []))
     print(body)
     title = f"vmm ({'CUDA' if args.device.startswith('cuda') else 'host'} backend)"
     write_section(title, body, command_line(), path=args.benchmarks)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"latency": lat, "decode": loops, "busy": busy[0] if busy else None}, f, indent=2)
+            json.dump({"latency": lat, "decode": loops, "busy": busy[0] if busy else None,
+                       "alias": alias[0] if alias else None}, f, indent=2)
     return 0

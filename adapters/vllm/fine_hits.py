@@ -18,7 +18,11 @@ vattn, and change nothing else in vLLM's cache (its hashing, LRU, eviction and C
   a block is registered as a partial entry once its tokens are scheduled (vLLM registers only a
   prompt's last one), so a prefix ending inside a block hits as it would with stock's 16-token
   blocks. A hit ending inside a block that the same step writes is cut back to the whole blocks
-  before it: its copy would run before the forward that writes it.
+  before it: its copy would run before the forward that writes it. While a request decodes, the
+  block it fills gets its boundaries when it is full or when the request leaves, and a decode
+  step that fills no block skips the cache bookkeeping (vLLM would re-register the prompt's tail
+  entry of every request every step): the engine core does less per generation than stock's
+  16-token blocks need (``vattn bench sched``).
 
 The copies reach vattn through the runners (GPU: ``GpuRuntime.copy_blocks``; CPU: the blocks
 bound each step), which copy the cached page-set into the request's fresh one
@@ -94,6 +98,7 @@ def fine_coordinator() -> type:
             self.unit = hash_block_size     # (only built with prefix caching on)
             self.block_pool.hash_block_size = self.unit   # the pool's partial entries use it
             self._marked: dict[str, int] = {}      # request -> tokens its boundaries are registered to
+            self._requests: dict = {}              # request id -> the request (until it leaves)
             self._written_now: set[int] = set()    # blocks whose tokens this step schedules
 
         def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
@@ -111,20 +116,30 @@ def fine_coordinator() -> type:
             return hit_blocks, length, 0
 
         def cache_blocks(self, request, num_computed_tokens: int) -> None:
-            if request.request_id not in self._marked:     # its hit's blocks are registered already
-                hit = self.single_type_managers[0].num_cached_block.get(request.request_id, 0)
-                self._marked[request.request_id] = hit * self.block_size
+            rid, cached = request.request_id, self.single_type_managers[0].num_cached_block
+            marked = self._marked.get(rid)
+            if marked is None:                     # its hit's blocks are registered already
+                self._marked[rid] = cached.get(rid, 0) * self.block_size
+                self._requests[rid] = request
+            elif (self.unit != self.block_size and num_computed_tokens // self.block_size <= cached.get(rid, 0)
+                  and marked >= request.num_prompt_tokens // self.unit * self.unit):
+                return    # a decode step filling no block: vLLM would only re-register the prompt's tail
             super().cache_blocks(request, num_computed_tokens)
             if self.unit != self.block_size:
                 self._register_boundaries(request, num_computed_tokens)
 
-        def _register_boundaries(self, request, num_tokens: int) -> None:
+        def _register_boundaries(self, request, num_tokens: int, *, final: bool = False) -> None:
             """Every ``unit`` boundary inside the request's blocks up to ``num_tokens`` becomes a
             partial entry of its block; per block from the largest down, so that the block's
             primary entry stays its largest (vLLM drops a block's entries when it registers one
-            longer than its primary)."""
+            longer than its primary). While the request decodes, the block it fills is left
+            until it is full or the request leaves (``final``): registering its boundaries every
+            16 tokens would cost the engine core up to seven entries per request and step."""
             unit, size = self.unit, self.block_size
             top = min(num_tokens, len(request.block_hashes) * unit) // unit * unit
+            if not final:
+                prompt = min(top, request.num_prompt_tokens // unit * unit)
+                top = max(top // size * size, prompt)
             done = self._marked.get(request.request_id, 0)
             if top <= done:
                 return
@@ -133,19 +148,28 @@ def fine_coordinator() -> type:
                 block = blocks[index]
                 if block.is_null:
                     continue
-                self._written_now.add(block.block_id)
+                if not final:                      # this step's tokens: written by its forward
+                    self._written_now.add(block.block_id)
                 last = min(top, (index + 1) * size - unit)
                 for boundary in range(last, index * size, -unit):
                     self.block_pool.cache_partial_block(request=request, block=block, num_tokens=boundary,
                                                         kv_cache_group_id=0, block_size=size)
             self._marked[request.request_id] = top
 
-        def free(self, request_id: str) -> None:
+        def _leaving(self, request_id: str) -> None:
+            """The request's blocks go back to the pool (finished or preempted): the block it was
+            filling gets its boundaries now (up to its computed tokens)."""
+            request = self._requests.pop(request_id, None)
+            if request is not None and self.unit != self.block_size:
+                self._register_boundaries(request, request.num_computed_tokens, final=True)
             self._marked.pop(request_id, None)
+
+        def free(self, request_id: str) -> None:
+            self._leaving(request_id)
             super().free(request_id)
 
         def pop_blocks_for_free(self, request_id: str):
-            self._marked.pop(request_id, None)
+            self._leaving(request_id)
             return super().pop_blocks_for_free(request_id)
 
         def new_step_starts(self) -> None:

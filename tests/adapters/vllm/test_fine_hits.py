@@ -126,3 +126,33 @@ def test_resolve_patch_hashes_finer_only_for_one_group_with_prefix_caching():
     assert resolve(config, vllm(caching=False)) == (128, 128)
     assert resolve(SimpleNamespace(kv_cache_groups=[group, group]), vllm()) == (128, 128)
     assert len(calls) == 2
+
+
+def _decode(manager, request, steps):
+    for _ in range(steps):
+        manager.new_step_starts()
+        request.append_output_token_ids(9000 + request.num_output_tokens)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+
+
+def test_the_block_a_request_decodes_into_gets_its_boundaries_when_it_fills_or_leaves(manager):
+    """While a request decodes, the block it fills is not registered every 16 tokens (that
+    would cost the engine core every step); it is when the block is full, and when the
+    request leaves."""
+    prompt = list(range(1, 301))
+    a = _request(manager, "a", prompt)
+    _admit(manager, a)
+
+    def sharing(tokens):        # a new request sharing a's first ``tokens`` tokens
+        return _request(manager, f"x{tokens}", (prompt + [9000 + i for i in range(200)])[:tokens] + [5])
+    _decode(manager, a, 40)                                 # 340 tokens: block 2 holds 256..339
+    manager.new_step_starts()
+    assert manager.get_computed_blocks(sharing(340))[1] == 288     # the prompt's last boundary
+    _decode(manager, a, 80)                                 # 420: block 2 is full, 3 holds 384..419
+    manager.new_step_starts()
+    assert manager.get_computed_blocks(sharing(340))[1] == 336     # block 2's boundaries
+    assert manager.get_computed_blocks(sharing(420))[1] == 384     # block 3's not yet
+    manager.free(a)
+    manager.new_step_starts()
+    assert manager.get_computed_blocks(sharing(420))[1] == 416     # a left: block 3's too
