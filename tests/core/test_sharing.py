@@ -344,22 +344,34 @@ def test_copy_on_write_gives_the_request_its_own_copy_and_leaves_the_cached_bloc
     assert same(cache, c, T, 2 * T, 6) and same(cache, b, T, T + T // 2, 6)
 
 
-def test_a_copy_from_a_block_mapped_nowhere_maps_it_on_top_of_a_slot_first(cache):
-    """Its pages unmapped everywhere (reclaimed) but still held by its key, the source block
-    is mapped on top of another slot (one map per range, no unmap) and copied from there."""
+def _cached_then_unmapped(cache, value) -> int:
+    """Blocks c0, c1 written with ``value`` by a request that left, then every idle page
+    unmapped (the keys keep theirs): returns the request's slot."""
     a = cache.acquire()
     assert cache.bind(a, 0, ["c0", "c1"])
-    fill(cache, a, 0, 2 * T, 3)
+    fill(cache, a, 0, 2 * T, value)
     cache.release(a)
     cache.reclaim()
-    assert cache.mapped_tokens(a) == 0
+    return a
+
+
+def _copy_into_fresh(cache) -> tuple[int, int, int]:
+    """A new request's fresh block y0 gets a copy of c1: ``(its slot, map calls, unmap calls)``."""
     b = cache.acquire()
     assert cache.bind(b, 0, ["y0"])
     before = cache.metrics()
     assert cache.copy_block("c1", "y0")
     m = cache.metrics()
-    assert m["map_calls"] - before["map_calls"] == cache.layout.num_ranges
-    assert m["unmap_calls"] == before["unmap_calls"]
+    return b, m["map_calls"] - before["map_calls"], m["unmap_calls"] - before["unmap_calls"]
+
+
+def test_a_copy_from_a_block_mapped_nowhere_maps_it_on_top_of_a_slot_first(cache):
+    """Its pages unmapped everywhere (reclaimed) but still held by its key, the source block
+    is mapped on top of another slot (one map per range, no unmap) and copied from there."""
+    a = _cached_then_unmapped(cache, 3)
+    assert cache.mapped_tokens(a) == 0
+    b, maps, unmaps = _copy_into_fresh(cache)
+    assert maps == cache.layout.num_ranges and unmaps == 0
     assert same(cache, b, 0, T, 3)
     d = cache.acquire()
     assert cache.bind(d, 0, ["c0", "c1"], hits=2)         # both still hit, c1 from its new home
@@ -393,20 +405,11 @@ def test_with_every_slot_full_a_copy_from_an_unmapped_block_borrows_an_idle_slot
     unmapped everywhere: it is mapped in place of the top page-set of the idle slot released
     longest ago (one unmap + map per range), then copied."""
     with make_cache(max_slots=3, max_context=2 * T) as cache:
-        a = cache.acquire()
-        assert cache.bind(a, 0, ["c0", "c1"])
-        fill(cache, a, 0, 2 * T, 6)
-        cache.release(a)
-        cache.reclaim()                                    # c0, c1 now mapped nowhere
+        _cached_then_unmapped(cache, 6)                    # c0, c1 now mapped nowhere
         cache.prewarm(2 * T)                               # every slot full again
         assert all(cache.mapped_tokens(s) == 2 * T for s in range(3))
-        b = cache.acquire()
-        assert cache.bind(b, 0, ["y0"])
-        before = cache.metrics()
-        assert cache.copy_block("c1", "y0")
-        m = cache.metrics()
-        assert m["unmap_calls"] - before["unmap_calls"] == cache.layout.num_ranges
-        assert m["map_calls"] - before["map_calls"] == cache.layout.num_ranges
+        b, maps, unmaps = _copy_into_fresh(cache)
+        assert maps == unmaps == cache.layout.num_ranges
         assert same(cache, b, 0, T, 6)
         cache.audit()
 
@@ -416,11 +419,7 @@ def test_with_every_slot_active_and_full_the_copy_borrows_a_page_set_no_request_
     slot whose request does not read that far (as an engine's pre-warm leaves them); the
     request later grows into that position without touching the block."""
     with make_cache(max_slots=2, max_context=3 * T) as cache:
-        a = cache.acquire()
-        assert cache.bind(a, 0, ["c0", "c1"])
-        fill(cache, a, 0, 2 * T, 2)
-        cache.release(a)
-        cache.reclaim()
+        _cached_then_unmapped(cache, 2)
         cache.prewarm(3 * T)
         b, d = cache.acquire(), cache.acquire()
         assert cache.bind(b, 0, ["y0"]) and cache.bind(d, 0, ["z0", "z1"])
