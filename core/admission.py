@@ -66,13 +66,10 @@ class Admission:
     def _home_slot(self, key) -> int | None:
         """The idle slot where the page-set ``key`` names was last mapped, if it still is."""
         st = self.state
-        home = st.keys.home.get(key) if key is not None else None
-        if home is None:
+        home = st.home(key) if key is not None else None
+        if home is None or st.slots.active[home[0]] or home[0] in st.slots.inflight:
             return None
-        slot, index = home
-        if slot >= st.config.max_slots or st.slots.active[slot] or slot in st.slots.inflight:
-            return None
-        return slot if st.pages.at(slot, index) == st.keys.get(key) else None
+        return home[0]
 
     def _best_fit(self, idle: np.ndarray, need: int, tenant, prefix=()) -> int:
         """The idle slot to hand out: one holding at least ``need`` page-sets first, the warmest

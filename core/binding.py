@@ -192,7 +192,7 @@ class Binding:
         home = st.keys.home.get(key)
         if home is not None and home[0] < n:
             st.settle(home[0])
-            if pages.at(*home) == pids:
+            if st.home(key) is not None:
                 return home
         for slot in range(n):                         # a replaced home: another sharer's mapping
             bottom = pages.mapped[slot][0]
@@ -223,21 +223,15 @@ class Binding:
         return place
 
     def _borrow_place(self, avoid: int) -> tuple[int, int] | None:
-        """With every slot mapped to its end: the top page-set of an evenly mapped slot that its
-        request (if any) does not read (idle slots first, the one released longest ago; then
-        active ones above what they read), preferring one no key and no other mapping holds;
-        ``None`` if there is none. Mapping there replaces it (one unmap + map per range)."""
+        """With every slot mapped to its end: the top page-set of a slot that its request (if
+        any) does not read (in :meth:`_candidates` order), preferring one no key and no other
+        mapping holds; ``None`` if there is none. Mapping there replaces it (one unmap + map per
+        range)."""
         st = self.state
-        table, pages, n = st.slots, st.pages, st.config.max_slots
-        busy = {*table.inflight, *pages.retired, avoid}
-        order = np.lexsort((table.released_at[:n], table.active[:n]))
-        places = []
-        for slot in (int(s) for s in order):
-            top = pages.usable(slot) - 1
-            if slot in busy or top < 0 or (table.active[slot] and top < table.num_read_sets(slot)):
-                continue
-            if pages.mapped_evenly(slot):
-                places.append((slot, top))
+        table, pages = st.slots, st.pages
+        places = [(slot, pages.usable(slot) - 1) for slot in self._candidates(avoid)]
+        places = [(slot, top) for slot, top in places
+                  if top >= 0 and not (table.active[slot] and top < table.num_read_sets(slot))]
         refs, bound = st.pool.refs, pages.bound
         free = (p for p in places if all(refs[q] == 1 and not bound[q] for q in pages.at(*p)))
         return next(free, places[0] if places else None)
@@ -258,21 +252,25 @@ class Binding:
         return spare, index
 
     def _spare_slot(self, avoid: int) -> int | None:
-        """A slot with room on top for one more page-set (idle ones first, the one released
-        longest ago; else an active one: nothing reads above a slot's top), mapped evenly, not
-        ``avoid``, not being mapped and without old mappings on a fence; ``None`` if none."""
+        """The first of :meth:`_candidates` with room on top for one more page-set (nothing reads
+        above a slot's top), ``None`` if none has."""
+        room = self.state.pages.usable_n < self.state.layout.pages_per_slot
+        return next(self._candidates(avoid, room), None)
+
+    def _candidates(self, avoid: int, where=None):
+        """Slots to put a page-set on (among ``where``, a bool mask, if given), best first: idle
+        ones (the one released longest ago first), then active ones; never ``avoid``, one being
+        mapped or with old mappings on a fence, or one mapped unevenly (after a failed driver
+        call a range may hold pages above the usable top — another block's, or a request's own —
+        which a page-set put there would replace)."""
         st = self.state
         table, pages, n = st.slots, st.pages, st.config.max_slots
-        room = pages.usable_n[:n] < st.layout.pages_per_slot
-        room[avoid] = False
-        busy = [s for s in (*table.inflight, *pages.retired) if s < n]
-        if busy:                                      # being mapped, or old mappings on a fence
-            room[busy] = False
-        cands = np.flatnonzero(room)
-        order = np.lexsort((table.released_at[cands], table.active[cands]))
-        # only a slot mapped evenly: after a failed driver call a range may hold pages above
-        # the usable top (another block's, or a request's own), which a copy there would overwrite
-        return next((int(s) for s in cands[order] if pages.mapped_evenly(int(s))), None)
+        busy = {*table.inflight, *pages.retired, avoid}
+        pick = np.arange(n) if where is None else np.flatnonzero(where[:n])
+        order = pick[np.lexsort((table.released_at[pick], table.active[pick]))]
+        for slot in order.tolist():
+            if slot not in busy and pages.mapped_evenly(slot):
+                yield slot
 
     def _move_out(self, slot: int, index: int, cur: tuple[int, ...], end: int) -> bool:
         """Move the cached block in page-set ``cur`` (at ``index`` of ``slot``) into a loose

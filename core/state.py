@@ -67,6 +67,14 @@ class CacheState:
         while slot in self.slots.inflight:
             self.cond.wait()
 
+    def home(self, key) -> tuple[int, int] | None:
+        """``(slot, index)`` where ``key``'s page-set was last mapped for a request, if the
+        mapping there is still that page-set (a later bind may have replaced it), else ``None``."""
+        home = self.keys.home.get(key)
+        if home is None or home[0] >= self.config.max_slots:
+            return None
+        return home if self.pages.at(*home) == self.keys.get(key) else None
+
     def wait_fence(self, slot: int) -> None:
         """Wait until the device is done with what ``slot``'s previous request read."""
         fence = self.slots.fence[slot]

@@ -53,8 +53,7 @@ def resolve_unit(block_size: int, requested: int | None, default: int | None) ->
     ConfigError
         A unit that is not a positive divisor of the block size.
     """
-    unit = requested or default or block_size
-    unit = min(unit, block_size) if not requested else unit
+    unit = requested or min(default or block_size, block_size)
     if not isinstance(unit, int) or unit <= 0 or block_size % unit:
         raise ConfigError(f"vattn: prefix_match_unit must divide vattn's block size {block_size} "
                           f"(a page-set), got {unit}")
@@ -96,13 +95,14 @@ def fine_coordinator() -> type:
             block = kwargs.get("scheduler_block_size", hash_block_size)
             super().__init__(*args, hash_block_size=block, **kwargs)
             self.unit = hash_block_size     # (only built with prefix caching on)
+            self.fine = self.unit < self.block_size
             self.block_pool.hash_block_size = self.unit   # the pool's partial entries use it
-            self._marked: dict[str, int] = {}      # request -> tokens its boundaries are registered to
-            self._requests: dict = {}              # request id -> the request (until it leaves)
+            #: request id -> [tokens its boundaries are registered to, the request] (until it leaves)
+            self._marked: dict[str, list] = {}
             self._written_now: set[int] = set()    # blocks whose tokens this step schedules
 
         def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
-            if self.unit == self.block_size:
+            if not self.fine:
                 return super().find_longest_cache_hit(block_hashes, max_cache_hit_length)
             hit_blocks, length = self.single_type_managers[0].find_longest_cache_hit(
                 block_hashes=block_hashes, max_length=max_cache_hit_length, kv_cache_group_ids=[0],
@@ -116,17 +116,17 @@ def fine_coordinator() -> type:
             return hit_blocks, length, 0
 
         def cache_blocks(self, request, num_computed_tokens: int) -> None:
+            if not self.fine:
+                return super().cache_blocks(request, num_computed_tokens)
             rid, cached = request.request_id, self.single_type_managers[0].num_cached_block
             marked = self._marked.get(rid)
             if marked is None:                     # its hit's blocks are registered already
-                self._marked[rid] = cached.get(rid, 0) * self.block_size
-                self._requests[rid] = request
-            elif (self.unit != self.block_size and num_computed_tokens // self.block_size <= cached.get(rid, 0)
-                  and marked >= request.num_prompt_tokens // self.unit * self.unit):
+                self._marked[rid] = [cached.get(rid, 0) * self.block_size, request]
+            elif (num_computed_tokens // self.block_size <= cached.get(rid, 0)
+                  and marked[0] >= request.num_prompt_tokens // self.unit * self.unit):
                 return    # a decode step filling no block: vLLM would only re-register the prompt's tail
             super().cache_blocks(request, num_computed_tokens)
-            if self.unit != self.block_size:
-                self._register_boundaries(request, num_computed_tokens)
+            self._register_boundaries(request, num_computed_tokens)
 
         def _register_boundaries(self, request, num_tokens: int, *, final: bool = False) -> None:
             """Every ``unit`` boundary inside the request's blocks up to ``num_tokens`` becomes a
@@ -140,11 +140,11 @@ def fine_coordinator() -> type:
             if not final:
                 prompt = min(top, request.num_prompt_tokens // unit * unit)
                 top = max(top // size * size, prompt)
-            done = self._marked.get(request.request_id, 0)
-            if top <= done:
+            marked = self._marked[request.request_id]
+            if top <= marked[0]:
                 return
             blocks = self.single_type_managers[0].req_to_blocks.get(request.request_id, ())
-            for index in range(done // size, min(len(blocks), -(-top // size))):
+            for index in range(marked[0] // size, min(len(blocks), -(-top // size))):
                 block = blocks[index]
                 if block.is_null:
                     continue
@@ -154,15 +154,15 @@ def fine_coordinator() -> type:
                 for boundary in range(last, index * size, -unit):
                     self.block_pool.cache_partial_block(request=request, block=block, num_tokens=boundary,
                                                         kv_cache_group_id=0, block_size=size)
-            self._marked[request.request_id] = top
+            marked[0] = top
 
         def _leaving(self, request_id: str) -> None:
             """The request's blocks go back to the pool (finished or preempted): the block it was
             filling gets its boundaries now (up to its computed tokens)."""
-            request = self._requests.pop(request_id, None)
-            if request is not None and self.unit != self.block_size:
-                self._register_boundaries(request, request.num_computed_tokens, final=True)
-            self._marked.pop(request_id, None)
+            marked = self._marked.get(request_id)
+            if marked is not None:
+                self._register_boundaries(marked[1], marked[1].num_computed_tokens, final=True)
+                del self._marked[request_id]
 
         def free(self, request_id: str) -> None:
             self._leaving(request_id)

@@ -211,7 +211,7 @@ def _step_blocks(scheduler_output) -> tuple[list, list, list]:
     preemption (their ``new_block_ids`` replace their block list) start with all their blocks
     and their prefix-cache hit (``num_computed_tokens``); running requests append blocks;
     ``copies``: vLLM's copy-on-write of hits that end inside a block (:mod:`.fine_hits`)."""
-    copies = [(int(c[0]), int(c[1])) for c in getattr(scheduler_output, "kv_cache_block_copies", None) or ()]
+    copies = list(getattr(scheduler_output, "kv_cache_block_copies", None) or ())
     new = [(r.req_id, _one_group(r.req_id, r.block_ids), int(r.num_computed_tokens))
            for r in scheduler_output.scheduled_new_reqs]
     cached = scheduler_output.scheduled_cached_reqs
