@@ -24,14 +24,16 @@ from vattn.conformance.models import PRESETS, decode_traffic_bytes
 from vattn.core.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "load_results", "markdown", "plot", "decode_bandwidth", "hits_line",
-           "generations_line"]
+           "generations_line", "rounds_line", "round_ratios"]
 
 _ORDER = ("decode-heavy", "prefill-heavy", "long-context")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--results", required=True,
-                        help="folder holding the stage JSONs (throughput_*.json, identity.json, env.txt)")
+    parser.add_argument("--results", required=True, action="append",
+                        help="folder holding the stage JSONs (throughput_*.json, identity.json, env.txt); "
+                             "repeat it for rounds run in separate calls (e.g. stock@3 vattn@3 after "
+                             "stock vattn stock@2 vattn@2): their modes are merged per workload")
     parser.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
     parser.add_argument("--title", default=None, help="BENCHMARKS section title")
     parser.add_argument("--command", default=None, help="the GPU command(s) that produced the results")
@@ -45,14 +47,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-report", action="store_true", help="print only, leave BENCHMARKS.md")
 
 
-def load_results(folder: str) -> dict:
-    """``{"identity": dict | None, "workloads": {name: report}, "env": str}`` from a results folder.
+def load_results(folders: str | list[str]) -> dict:
+    """``{"identity": dict | None, "workloads": {name: report}, "env": str}`` from one results
+    folder, or several merged (a workload's modes from every folder; the first folder's identity,
+    profiles and environment; engines of one mode pooled again over all folders).
 
     Raises
     ------
     ConfigError
-        The folder is missing, holds no stage JSON, or a stage JSON is not valid.
+        A folder is missing, holds no stage JSON, a stage JSON is not valid, or two folders ran
+        the same mode of a workload.
     """
+    if isinstance(folders, str):
+        return _load_folder(folders)
+    merged = None
+    for folder in folders:
+        res = _load_folder(folder)
+        if merged is None:
+            merged = res
+            continue
+        for name, report in res["workloads"].items():
+            have = merged["workloads"].setdefault(name, report)
+            if have is report:
+                continue
+            same = set(_rows(have)) & set(_rows(report))
+            if same:
+                raise ConfigError(f"--results: workload {name!r} ran mode(s) {sorted(same)} in more than one "
+                                  f"folder ({folder!r} among them); name re-runs MODE@N")
+            _rows(have).update(_rows(report))
+    if merged is None:
+        raise ConfigError("--results: expected at least one folder")
+    from vattn.bench.gpu.report import pool_engines
+    for report in merged["workloads"].values():
+        if "rows" in report:
+            report["pooled"] = pool_engines(report["rows"])
+    return merged
+
+
+def _load_folder(folder: str) -> dict:
     if not os.path.isdir(folder):
         raise ConfigError(f"--results: expected a folder of stage JSONs, got {folder!r} (no such folder)")
     workloads = {}
@@ -128,6 +160,11 @@ def _workload_row(name: str, report: dict, hbm_tbps: float | None) -> str:
                      f"{secs[m]:.2f}" if secs[m] else ("failed" if m in errors else "not run"))
     v, s, c = secs["vattn"], secs["stock"], secs["ceiling"]
     vs_stock = f"**{s / v:.4f}×**" if v and s else "—"
+    rounds = round_ratios(report)
+    if rounds is not None:                      # per generation: pooling generations mixes kinds
+        import statistics
+        vs_stock = (" / ".join(f"**{statistics.median(r):.3f}×**" for r in zip(*rounds))
+                    + f" (per generation, median of {len(rounds)} rounds)")
     vs_ceiling = f"{c / v:.4f}×" if v and c else "—"
     vattn = rows.get("vattn") or {}
     waste = vattn.get("worst_waste_MiB_per_request")
@@ -173,14 +210,14 @@ def markdown(results: dict, *, hbm_tbps: float | None = None, png: str | None = 
                          f"alternated): {', '.join(f'{r:.4f}' for r in p['ratios'])}; median "
                          f"**{p['median_ratio']:.4f}**")
     for name, report in results["workloads"].items():
-        gens = generations_line(name, report)
+        gens = rounds_line(name, report) or generations_line(name, report)
         if gens:
             lines.append(gens)
     for name, report in results["workloads"].items():
         hits = hits_line(name, report)
         if hits:
             lines.append(hits)
-    if any(r.get("pooled") or r.get("paired") or hits_line(n, r) or generations_line(n, r)
+    if any(r.get("pooled") or r.get("paired") or hits_line(n, r) or generations_line(n, r) or rounds_line(n, r)
            for n, r in results["workloads"].items()):
         lines.append("")
     ident = results["identity"]
@@ -204,6 +241,41 @@ def generations_line(name: str, report: dict) -> str | None:
     return (f"- {name}: seconds per generation of one engine: stock {', '.join(f'{s:.2f}' for s in stock)}; "
             f"vattn {', '.join(f'{v:.2f}' for v in vattn)}; vattn / stock per generation "
             f"{', '.join(f'{s / v:.3f}×' for s, v in zip(stock, vattn))}")
+
+
+def round_ratios(report: dict) -> list[list[float]] | None:
+    """vattn's speed over stock's in every generation of each round (``stock``/``vattn``,
+    ``stock@2``/``vattn@2``, ...; each a fresh engine of each mode, stock first), or ``None``
+    with fewer than two complete rounds of equally many generations."""
+    rows = _rows(report)
+    rounds = []
+    for name, row in rows.items():
+        mode, _, tag = name.partition("@")
+        other = rows.get("vattn" + ("@" + tag if tag else ""))
+        if mode != "stock" or not other:
+            continue
+        stock, vattn = row.get("seconds_each") or [], other.get("seconds_each") or []
+        if stock and len(stock) == len(vattn) and all(stock) and all(vattn):
+            rounds.append([s / v for s, v in zip(stock, vattn)])
+    if len(rounds) < 2 or len({len(r) for r in rounds}) != 1:
+        return None
+    return rounds
+
+
+def rounds_line(name: str, report: dict) -> str | None:
+    """``- name: vattn / stock per generation, median of N alternated rounds ...``: per
+    generation the median over :func:`round_ratios` and its spread, then every round's ratios
+    (``None`` without two complete rounds)."""
+    import statistics
+    rounds = round_ratios(report)
+    if rounds is None:
+        return None
+    gens = [f"generation {g} **{statistics.median(r):.3f}×** ({min(r):.3f}–{max(r):.3f})"
+            for g, r in enumerate(zip(*rounds), start=1)]
+    each = "; ".join(", ".join(f"{r:.3f}×" for r in one) for one in rounds)
+    return (f"- {name}: vattn / stock per generation, median of {len(rounds)} alternated rounds (a "
+            f"fresh engine of each mode per round, stock first; spread in brackets): {', '.join(gens)}; "
+            f"per round: {each}")
 
 
 def hits_line(name: str, report: dict) -> str | None:

@@ -61,6 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fence-lag", type=argtypes.non_negative_int, default=0,
                         help="with --prefix-caching: engine steps the device trails the host (1: "
                              "vLLM's async scheduling); counts the fences the host had to wait for")
+    parser.add_argument("--max-batched-tokens", type=argtypes.positive_int, default=None,
+                        help="with --prefix-caching: tokens computed per step at most (vLLM's "
+                             "max_num_batched_tokens, 8192 by default on a GPU): a burst is admitted "
+                             "over several steps (default: unlimited, every prompt in the first step)")
+    parser.add_argument("--stage-prefixes", choices=("on", "off"), default=None,
+                        help="with --prefix-caching: run the map-ahead worker (given each step to "
+                             "finish, as a device step long enough hides it) with prefix staging on "
+                             "or off, as vLLM's GPU runner does (VATTN_STAGE_PREFIXES); default: no "
+                             "worker, every mapping on the step's path")
     parser.add_argument("--fence-policy", choices=("retire", "wait"), default="retire",
                         help="with --fence-lag: a released slot's pages whose fence is pending are "
                              "handed on at once and unmapped once it completes (retire: vLLM's GPU "
@@ -68,11 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = False,
-             blocks: int | None = None, driver=None, stream_ordered: bool = True):
+             blocks: int | None = None, driver=None, stream_ordered: bool = True,
+             stage: bool | None = None):
     """Llama-3-8B's page arithmetic (G=4: 128 tokens per 2 MiB page-set row) on CUDA; on the host
     backend the same 128 tokens per page with 1 KV head of 64 fp32 values and 256 KiB pages (16
     fp16 values and 32 KiB pages with prefix caching, whose workloads hold more tokens).
-    ``blocks``: page-sets in the pool (default: every request's whole length, plus one)."""
+    ``blocks``: page-sets in the pool (default: every request's whole length, plus one);
+    ``stage``: ``None`` no map-ahead worker, else the worker on (one block ahead, as vLLM's GPU
+    runner has it) with prefix staging on or off."""
     from vattn.adapters.vllm.gpu_runtime import GpuRuntime
     from vattn.core import KVCacheConfig
     cuda = torch.device(device).type == "cuda"
@@ -83,13 +95,14 @@ def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = Fa
     pages_per_set = 32 // 4
     blocks = batch * context // block + 1 if blocks is None else blocks
     cfg = KVCacheConfig(num_layers=32, num_kv_heads=heads, head_dim=dim, dtype=dtype, max_slots=batch,
-                        max_context=context, group_size=4, page_budget=blocks * pages_per_set * page, page_bytes=page, device=device, map_ahead_tokens=0,
+                        max_context=context, group_size=4, page_budget=blocks * pages_per_set * page,
+                        page_bytes=page, device=device, map_ahead_tokens=0 if stage is None else block,
                         stream_ordered=stream_ordered)
     check_fits(f"{batch} requests of {max_len} tokens", cfg.page_budget, device,
                hint="lower --batch, --prompt or --new")
     names = [f"model.layers.{i}.self_attn.attn" for i in range(32)]
     return GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max(batch, 8192),
-                      prefix_caching=prefix_caching, driver=driver)
+                      prefix_caching=prefix_caching, driver=driver, stage_prefixes=bool(stage))
 
 
 def generation(rt, *, batch: int, prompt: int, new: int) -> dict:
@@ -173,9 +186,12 @@ def run_prefix(args) -> int:
         raise ConfigError(f"--shared must be below --prompt ({args.prompt}), got {args.shared}")
     if args.pool_fraction > 8:
         raise ConfigError(f"--pool-fraction must be in (0, 8], got {args.pool_fraction}")
-    scheduled = args.pool_fraction != 1 or args.fence_lag > 0
+    stage = None if args.stage_prefixes is None else args.stage_prefixes == "on"
+    scheduled = (args.pool_fraction != 1 or args.fence_lag > 0 or args.max_batched_tokens is not None
+                 or stage is not None)
     if scheduled and args.workload == "multi-turn":
-        raise ConfigError("--pool-fraction / --fence-lag run decode-heavy or shared-prefix, not multi-turn")
+        raise ConfigError("--pool-fraction / --fence-lag / --max-batched-tokens / --stage-prefixes run "
+                          "decode-heavy or shared-prefix, not multi-turn")
     turns = args.generations + 1
     longest = args.prompt + args.new + ((turns - 1) * (args.new + args.user) if args.workload == "multi-turn" else 0)
     fences = None
@@ -191,9 +207,10 @@ def run_prefix(args) -> int:
                           f"got {args.max_model_len}")
     seqs = args.max_num_seqs or args.batch
     if args.max_num_seqs is not None and not scheduled:
-        raise ConfigError("--max-num-seqs needs the scheduler: give --pool-fraction below 1 or --fence-lag")
+        raise ConfigError("--max-num-seqs needs the scheduler: give --pool-fraction below 1, --fence-lag, "
+                          "--max-batched-tokens or --stage-prefixes")
     rt = _runtime(args.device, seqs, args.max_model_len or longest, prefix_caching=True,
-                  blocks=blocks, driver=fences, stream_ordered=args.fence_policy == "retire")
+                  blocks=blocks, driver=fences, stream_ordered=args.fence_policy == "retire", stage=stage)
     try:
         pool = PrefixBlockPool(blocks, rt.block_size)
         prompts = prompts_for(args.workload, batch=args.batch, prompt=args.prompt, shared=args.shared)
@@ -201,16 +218,22 @@ def run_prefix(args) -> int:
         for turn in tqdm(range(turns), desc="generations", leave=False):
             if scheduled:
                 runs.append(scheduled_generation(rt, pool, prompts, args.new, max_running=seqs,
-                                                 fences=fences))
+                                                 fences=fences, max_batched_tokens=args.max_batched_tokens,
+                                                 settle=stage is not None))
                 continue
             runs.append(prefix_generation(rt, pool, prompts, args.new))
             tokens = runs[-1].pop("tokens")
             if args.workload == "multi-turn":
                 prompts = next_turn(tokens, args.user, turn + 1)
         rt.cache.audit()
+        ranges = rt.cache.layout.num_ranges
     finally:
         rt.close()
     counted = SCHED_COUNTED if scheduled else COUNTED
+    if stage is not None:                      # what staging leaves on the step's path
+        counted += ("pages_aliased_on_path",)
+        for r in runs:
+            r["calls"]["pages_aliased_on_path"] = r["calls"]["pages_aliased"] - r["calls"]["page_sets_staged"] * ranges
     rows = ["| generation | on_blocks ms | apply ms | release ms | " + " | ".join(counted) + " |",
             "|---" * (4 + len(counted)) + "|"]
     for n, r in enumerate(runs, start=1):
@@ -223,6 +246,9 @@ def run_prefix(args) -> int:
           + (f"; a pool of {blocks} blocks ({args.pool_fraction:g} of the {whole} the whole run would "
              f"hold: vLLM-like scheduling with preemption), the device {args.fence_lag} step(s) behind "
              f"the host, fence policy {args.fence_policy}" if scheduled else "")
+          + (f"; at most {args.max_batched_tokens} tokens computed a step" if args.max_batched_tokens else "")
+          + (f"; the map-ahead worker on (finishing between steps), prefix staging {args.stage_prefixes}"
+             if stage is not None else "")
           + "; over the run the block pool handed out "
           f"{pool.new_blocks + pool.hit_blocks} blocks, {pool.hit_blocks} of them hits):\n\n" + "\n".join(rows) + "\n")
     print(md)
@@ -231,12 +257,15 @@ def run_prefix(args) -> int:
             json.dump({"args": {k: getattr(args, k) for k in ("device", "batch", "prompt", "new", "workload",
                                                                "shared", "generations", "pool_fraction",
                                                                "fence_lag", "fence_policy", "max_model_len",
-                                                               "max_num_seqs")},
+                                                               "max_num_seqs", "max_batched_tokens",
+                                                               "stage_prefixes")},
                        "generations": runs}, f, indent=1)
     if not args.no_report:
         pressure = (f", pool {args.pool_fraction:g}, device lag {args.fence_lag}, {args.fence_policy}"
                     + (f", max_num_seqs {args.max_num_seqs}" if args.max_num_seqs else "")
-                    + (f", max_model_len {args.max_model_len}" if args.max_model_len else "")) if scheduled else ""
+                    + (f", max_model_len {args.max_model_len}" if args.max_model_len else "")
+                    + (f", {args.max_batched_tokens} tokens a step" if args.max_batched_tokens else "")
+                    + (f", staging {args.stage_prefixes}" if stage is not None else "")) if scheduled else ""
         write_section(f"host work with prefix caching, {args.workload}{pressure} ({args.device})", md, command_line(),
                       path=args.benchmarks)
     return 0

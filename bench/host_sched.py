@@ -8,7 +8,9 @@ then waiting requests are admitted while slots and blocks last (a preempted requ
 cached blocks if they were not evicted meanwhile); then the runner's calls in its order —
 ``release`` for the requests that left, ``on_blocks`` for the new and the grown, one ``apply`` —
 and the device finishes a step (:meth:`LaggingFences.tick`). Each running request gains one
-token per step (a prompt is prefilled in one step). Counts the VMM calls and the fence waits.
+token per step (a prompt is prefilled in one step, within ``max_batched_tokens`` a step when
+given: vLLM's token budget, which spreads a burst's admissions over several steps). Counts the VMM
+calls and the fence waits.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from .prefix_pool import PrefixBlockPool
 
 __all__ = ["scheduled_generation", "SCHED_COUNTED"]
 
-SCHED_COUNTED = COUNTED + ("pages_mapped_on_demand", "pages_retired", "steps", "preemptions")
+SCHED_COUNTED = COUNTED + ("pages_mapped_on_demand", "pages_retired", "page_sets_staged", "steps",
+                           "preemptions")
 
 
 class _Req:
@@ -33,13 +36,17 @@ class _Req:
 
 
 def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], new: int, *,
-                         max_running: int, fences=None) -> dict:
+                         max_running: int, fences=None, max_batched_tokens: int | None = None,
+                         settle: bool = False) -> dict:
     """One generation of ``prompts`` (``new`` tokens each) through the scheduler; ``{name: host
     seconds}`` of vattn's calls, ``calls`` (VMM calls, fence waits, steps, preemptions).
 
     ``max_running``: vLLM's ``max_num_seqs`` (request indices ``0 .. max_running - 1``);
     ``fences``: the :class:`~vattn.core.driver.lag.LaggingFences` under ``rt`` (ticked once per
-    step), if any. Every prompt arrives at once and waits for a slot and for blocks."""
+    step), if any; ``max_batched_tokens``: tokens computed per step at most (running requests'
+    one each, then new prompts' uncached tokens; the first prompt of a step always fits);
+    ``settle``: the map-ahead worker finishes its work before the next step (a device step long
+    enough to hide it). Every prompt arrives at once and waits for a slot and for blocks."""
     before = rt.cache.metrics()
     waits0 = fences.waits if fences is not None else 0
     spent = {"on_blocks": 0.0, "apply": 0.0, "release": 0.0}
@@ -83,7 +90,13 @@ def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], ne
                 grown.append(req)
             elif len(req.tokens) % bs == 0:
                 pool.cache_full(req.blocks, req.tokens)
+        budget = None if max_batched_tokens is None else max_batched_tokens - len(running)
         while waiting and free_idx and len(pool.free) >= -(-len(waiting[0].tokens) // bs) + 1:
+            if budget is not None:
+                cost = len(waiting[0].tokens) - len(pool.hit_blocks_for(waiting[0].tokens)) * bs
+                if admitted and cost > budget:
+                    break
+                budget -= cost
             req = waiting.popleft()
             req.blocks, hits = pool.admit(req.tokens)
             req.index = free_idx.pop()
@@ -101,6 +114,8 @@ def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], ne
         t2 = time.perf_counter()
         rt.apply()
         t3 = time.perf_counter()
+        if settle:
+            rt.cache.wait()
         spent["release"] += t1 - t0
         spent["on_blocks"] += t2 - t1
         spent["apply"] += t3 - t2
@@ -108,7 +123,8 @@ def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], ne
         if fences is not None:
             fences.tick()
     after = rt.cache.metrics()
-    spent["calls"] = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTED + ("pages_mapped_on_demand", "pages_retired")}
+    spent["calls"] = {k: after.get(k, 0) - before.get(k, 0)
+                      for k in COUNTED + ("pages_mapped_on_demand", "pages_retired", "page_sets_staged")}
     spent["calls"]["fence_waits"] = (fences.waits - waits0) if fences is not None else spent["calls"]["fence_waits"]
     spent["calls"]["steps"], spent["calls"]["preemptions"] = steps, preemptions
     return spent

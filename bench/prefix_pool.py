@@ -52,15 +52,19 @@ class PrefixBlockPool:
         self.new_blocks += 1
         return block
 
-    def admit(self, tokens: list[int]) -> tuple[list[int], int]:
-        """Blocks for a new request's prompt and how many of them are prefix-cache hits."""
-        hashes = self._hashes(tokens)
+    def hit_blocks_for(self, tokens: list[int]) -> list[int]:
+        """The cached blocks a prompt would hit now (nothing changes)."""
         hits = []
-        for h in hashes[:(len(tokens) - 1) // self.block_size]:
+        for h in self._hashes(tokens)[:(len(tokens) - 1) // self.block_size]:
             block = self.cached.get(h)
             if block is None:
                 break
             hits.append(block)
+        return hits
+
+    def admit(self, tokens: list[int]) -> tuple[list[int], int]:
+        """Blocks for a new request's prompt and how many of them are prefix-cache hits."""
+        hits = self.hit_blocks_for(tokens)
         for block in hits:
             if self.refs.get(block, 0) == 0:
                 del self.free[block]

@@ -77,7 +77,8 @@ class Admission:
         and stay reclaimable), then the same tenant, then the longest idle (vectorised: one call
         per admission). With a ``prefix`` hit of ``a`` page-sets, the cheapest slot first: one
         starting with the prefix's first page-set costs nothing, another ``min(have, a)`` unmaps
-        (its own pages where the shared ones go) plus the page-sets it lacks above the hit."""
+        (its own pages where the shared ones go) plus the page-sets it lacks above the hit.
+        Without a prefix, a slot mapping shared page-sets counts as cold (after the empty ones)."""
         table, pages = self.state.slots, self.state.pages
         have = pages.usable_n[idle]
         if table.one_tenant and tenant is None:     # no slot has another tenant: skip the loop
@@ -92,5 +93,9 @@ class Admission:
             cost = np.where(same, 0, np.minimum(have, a) + np.maximum(0, need - np.maximum(have, a)))
             order = np.lexsort((table.released_at[idle], other, -have, cost))
         else:
-            order = np.lexsort((table.released_at[idle], other, -have, have < need))
+            # a slot mapping shared page-sets (a prefix hit's, or one staged there) is cold to a
+            # request without that prefix: its fresh blocks would replace them (unmap + map)
+            shared = np.isin(idle, list(table.mixed)) if table.mixed else np.zeros(idle.size, dtype=bool)
+            have = np.where(shared, 0, have)
+            order = np.lexsort((table.released_at[idle], other, shared, -have, have < need))
         return int(idle[order[0]])

@@ -35,6 +35,7 @@ from .pages import PagePool, budget_pages
 from .paging import SlotPages
 from .reclaim import Reclaim
 from .space import AddressSpace
+from .staging import Staging
 from .state import CacheState
 
 __all__ = ["VirtualKVCache", "Capacity"]
@@ -96,6 +97,7 @@ class VirtualKVCache:
         self._reclaim = Reclaim(state)
         self._growth = Growth(state, self._reclaim, loose)
         self._binding = Binding(state, self._growth, loose, self._space)
+        self._staging = Staging(state)
         self._worker: MapAhead | None = None
         self._closed = False
         self.padding_slot = cfg.max_slots
@@ -165,7 +167,9 @@ class VirtualKVCache:
         self._check_open()
         self._check_length(expected_len)
         with self._cond:
-            return self._admission.acquire(tenant, expected_len, tuple(prefix))
+            slot = self._admission.acquire(tenant, expected_len, tuple(prefix))
+            self._staging.drop(slot)
+            return slot
 
     def release(self, slot: int, *, fence=None) -> None:
         """Finish the request in ``slot``; its pages stay mapped until memory pressure.
@@ -234,11 +238,16 @@ class VirtualKVCache:
         targets = self._growth.ahead_targets(slots, lens, failed)
         if targets:
             with self._cond:
-                if self._worker is None:
-                    self._worker = MapAhead(self._cond, driver=self.driver, slots=self._state.slots,
-                                            pages=self._pages, take=self._reclaim.take_unfenced)
-                self._worker.submit(targets)
+                self._started_worker().submit(targets)
         return failed
+
+    def _started_worker(self) -> MapAhead:
+        """The map-ahead worker, started on first use (caller holds the lock)."""
+        if self._worker is None:
+            self._worker = MapAhead(self._cond, driver=self.driver, slots=self._state.slots,
+                                    pages=self._pages, take=self._reclaim.take_unfenced,
+                                    staging=self._staging)
+        return self._worker
 
     def wait(self) -> None:
         """Block until the map-ahead worker has nothing left to do."""
@@ -343,6 +352,43 @@ class VirtualKVCache:
             raise SlotError(f"copy of block key {src!r} onto itself")
         with self._cond:
             return self._binding.copy(src, dst)
+
+    def stage_prefix(self, keys, copies: int) -> int:
+        """Map the page-sets ``keys`` name (a prefix-cache hit, in order, from position 0) into
+        idle slots ahead of the requests that will hit it, until ``copies`` idle slots hold it
+        (idle slots already starting with it count). The next requests :meth:`acquire` admits
+        with that ``prefix`` are handed those slots and find it in place: binding it as hits then
+        costs no VMM call. Only empty idle slots are used (no page of theirs to unmap, no fence to
+        wait for); acquiring a slot ends its job. With map-ahead on (``map_ahead_tokens`` > 0)
+        the mapping runs on its worker, one page-set at a time whenever no running slot waits for
+        a page-set; else now. A failed driver call ends that slot's job (counted in
+        ``driver_faults``; what it mapped stays, recorded). Returns the slots queued.
+
+        Raises
+        ------
+        SlotError
+            ``keys`` empty or listing a key twice, a key no page-set holds, or ``copies`` not an
+            int >= 1.
+        ContextLengthError
+            More page-sets than a slot's region holds.
+        """
+        self._check_open()
+        keys = list(keys)
+        if not keys:
+            raise SlotError("stage_prefix needs at least one block key, got none")
+        if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+            raise SlotError(f"copies must be an int >= 1, got {copies!r}")
+        check_bind(0, keys, len(keys), self.layout.pages_per_slot)
+        with self._cond:
+            queued = self._staging.plan(keys, copies)
+            if not queued:
+                return 0
+            if self.config.map_ahead_tokens:
+                self._started_worker().cond.notify_all()
+                return queued
+            while self._staging.jobs:               # each step maps a page-set or ends a job
+                self._staging.step()
+            return queued
 
     def holds(self, key) -> bool:
         """Whether a page-set is bound to ``key`` (a hit on it would be honoured)."""

@@ -10,7 +10,7 @@ import torch
 from .errors import ConfigError
 
 __all__ = ["KVCacheConfig", "SCRUB_POLICIES", "MAX_AUTO_RANGES", "auto_group_size", "engine_group_size",
-           "env_int", "DRIVER_RETRIES_ENV", "driver_retries"]
+           "env_int", "DRIVER_RETRIES_ENV", "driver_retries", "STAGE_PREFIXES_ENV", "stage_prefixes"]
 
 #: ``group_size=None`` picks the smallest group giving at most this many VA ranges, so a request
 #: wastes at most this many partly filled pages (16 MiB with 2 MiB pages). Measured on the H200
@@ -144,6 +144,25 @@ DRIVER_RETRIES_ENV = "VATTN_DRIVER_RETRIES"
 def driver_retries(retries: int | None = None) -> int:
     """``retries`` if given, else ``$VATTN_DRIVER_RETRIES`` (default 2)."""
     return env_int(DRIVER_RETRIES_ENV, 2, minimum=0) if retries is None else int(retries)
+
+
+#: ``0`` turns off staging shared prefixes into idle slots in the engine adapters (for a
+#: side-by-side measurement of what it saves); ``1``, the default, keeps it on
+STAGE_PREFIXES_ENV = "VATTN_STAGE_PREFIXES"
+
+
+def stage_prefixes() -> bool:
+    """Whether ``$VATTN_STAGE_PREFIXES`` (default 1) leaves prefix staging on.
+
+    Raises
+    ------
+    ConfigError
+        A value other than ``0`` or ``1``.
+    """
+    text = os.environ.get(STAGE_PREFIXES_ENV, "1")
+    if text not in ("0", "1"):
+        raise ConfigError(f"{STAGE_PREFIXES_ENV} must be 0 or 1, got {text!r}")
+    return text == "1"
 
 
 def env_int(name: str, default: int | None = None, *, minimum: int | None = None) -> int | None:

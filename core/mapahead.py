@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 from .paging import PendingSet, SlotPages
+from .staging import Staging
 from .state import SlotTable
 
 __all__ = ["MapAhead"]
@@ -37,11 +38,16 @@ class MapAhead:
     take : callable
         ``take(n)`` -> ``n`` pool pages, or ``None``; may unmap idle slots' pages, never waits
         on a fence.
+    staging : Staging, optional
+        Prefixes to map into idle slots (:meth:`VirtualKVCache.stage_prefix`): one page-set per
+        turn, planned and recorded under the lock and mapped without it, whenever no running
+        slot waits for a page-set.
     """
 
     def __init__(self, cond: threading.Condition, *, driver, slots: SlotTable, pages: SlotPages,
-                 take: Callable[[int], list[int] | None]):
+                 take: Callable[[int], list[int] | None], staging: Staging | None = None):
         self.cond, self.driver, self.slots, self.pages, self.take = cond, driver, slots, pages, take
+        self.staging = staging
         self.jobs: dict[int, int] = {}       # slot -> target page-sets
         self.busy = False
         self.stopping = False
@@ -60,7 +66,10 @@ class MapAhead:
         self.jobs.pop(slot, None)
 
     def idle(self) -> bool:
-        return not self.jobs and not self.busy
+        return not self.jobs and not self.busy and not self._staged()
+
+    def _staged(self) -> bool:
+        return self.staging is not None and bool(self.staging.jobs)
 
     def stop(self) -> None:
         with self.cond:
@@ -72,18 +81,24 @@ class MapAhead:
         self.driver.bind_thread()
         while True:
             with self.cond:
-                while not self.jobs and not self.stopping:
+                while not self.jobs and not self._staged() and not self.stopping:
                     self.cond.wait()
                 if self.stopping:
                     return
                 plan = self._plan_next()
+                if plan is None and self._staged():    # running slots first, then staging
+                    plan = self.staging.plan_step()
+                    if plan is None:                   # that job ended: the next one
+                        continue
                 self.busy = plan is not None
                 if plan is None:
                     self.cond.notify_all()
                     continue
             self.pages.map_pending(plan)
             with self.cond:
-                if not self.pages.commit(plan):
+                if plan.shared:
+                    self.staging.commit(plan)
+                elif not self.pages.commit(plan):
                     self.jobs.pop(plan.slot, None)
                 self.slots.inflight.discard(plan.slot)
                 self.busy = False

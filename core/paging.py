@@ -41,6 +41,7 @@ class PendingSet:
     done: int = 0       # ranges mapped so far
     accessible: bool = False
     error: DriverError | None = None
+    shared: bool = False  # pages another mapping or key holds (prefix staging): not retagged
 
 
 class SlotPages:
@@ -359,11 +360,15 @@ class SlotPages:
 
     def commit(self, p: PendingSet) -> bool:
         """Record what :meth:`map_pending` did: the mapped pages join the slot (accessible and
-        tagged if access was granted), the others go back to the pool. False if a call failed."""
+        tagged if access was granted; shared pages keep their writer's tag), the others drop the
+        reference the plan took (back to the pool if it was the last). False if a call failed."""
         counters = self.counters
         counters.map_calls += p.done
         counters.set_access_calls += len(p.pids) if p.accessible else 0
-        counters.pages_mapped_ahead += p.done
+        if p.shared:
+            counters.pages_aliased += p.done
+        else:
+            counters.pages_mapped_ahead += p.done
         counters.pages_scrubbed += sum(p.zero) if p.accessible else 0
         if p.error is not None:
             counters.driver_faults += 1
@@ -372,7 +377,8 @@ class SlotPages:
                 self.add_page(p.slot, rng, pid)
                 if p.accessible:
                     self.num_accessible[p.slot][rng] += 1
-                    self.pool.tenant[pid] = p.tenant
+                    if not p.shared:
+                        self.pool.tenant[pid] = p.tenant
             else:
                 self.pool.give([pid])
         self.refresh(p.slot)

@@ -172,6 +172,11 @@ def _sglang_rows(rows, seqs, prefixes=None) -> Callable[[], object]:
     return call
 
 
+def _stage_env():
+    from vattn.core.config import stage_prefixes
+    return stage_prefixes()
+
+
 def _with_env(call: Callable[[], object], **values) -> Callable[[], object]:
     """``call`` with environment variables set (restored afterwards)."""
     def wrapped():
@@ -306,6 +311,13 @@ CASES = [
          SlotError, "which no page-set holds", _on_cache(lambda c: c.copy_block("a", "b"))),
     Case("copy-block-onto-itself", "VirtualKVCache.copy_block", 'copy_block("k", "k")', SlotError,
          "onto itself", _on_cache(lambda c: (c.bind(0, 0, ["k"]), c.copy_block("k", "k")))),
+    Case("stage-prefix-no-keys", "VirtualKVCache.stage_prefix", "stage_prefix([], 1)", SlotError,
+         "at least one block key", _on_cache(lambda c: c.stage_prefix([], 1))),
+    Case("stage-prefix-unknown-key", "VirtualKVCache.stage_prefix", 'stage_prefix(["k"], 1), "k" never bound',
+         SlotError, "which no page-set holds", _on_cache(lambda c: c.stage_prefix(["k"], 1))),
+    Case("stage-prefix-zero-copies", "VirtualKVCache.stage_prefix", 'stage_prefix(["k"], 0)', SlotError,
+         "copies must be an int >= 1, got 0",
+         _on_cache(lambda c: (c.bind(0, 0, ["k"]), c.stage_prefix(["k"], 0)))),
     Case("claim-slot-not-acquired", "VirtualKVCache.claim", "claim(3, 0), slot 3 never acquired",
          SlotError, "slot 3 is not acquired", _on_cache(lambda c: c.claim(3, 0))),
     Case("claim-negative-index", "VirtualKVCache.claim", "claim(0, -1)", SlotError,
@@ -484,6 +496,8 @@ CASES = [
     Case("vllm-exact-env", "adapters.vllm.gpu_layout.exact_kernel_path", "VATTN_VLLM_EXACT=yes",
          ConfigError, "VATTN_VLLM_EXACT must be 0 or 1",
          _with_env(_vllm("exact_kernel_path"), VATTN_VLLM_EXACT="yes")),
+    Case("stage-prefixes-env", "core.config.stage_prefixes", "VATTN_STAGE_PREFIXES=on", ConfigError,
+         "VATTN_STAGE_PREFIXES must be 0 or 1", _with_env(_stage_env, VATTN_STAGE_PREFIXES="on")),
     Case("vllm-version", "adapters.vllm.version.check_version", '"0.5.0"', UnsupportedError,
          "was verified on vLLM", _call("vattn.adapters.vllm.version", "check_version", "0.5.0")),
     # -- the SGLang adapter's sizing ---------------------------------------------------------------

@@ -156,3 +156,47 @@ def test_each_generation_of_one_engine_is_listed_with_its_ratio(tmp_path):
     one = _throughput("x", [1, 1, 1, 1], {"stock": 1.0, "vattn": 1.0})
     one["rows"]["stock"]["seconds_each"], one["rows"]["vattn"]["seconds_each"] = [1.0], [1.0]
     assert engine.generations_line("x", one) is None
+
+
+def _round(report, tag, stock_each, vattn_each):
+    for mode, each in (("stock", stock_each), ("vattn", vattn_each)):
+        report["rows"][f"{mode}{tag}"] = {"seconds": min(each), "seconds_each": each}
+
+
+def test_rounds_from_two_calls_are_merged_into_medians_per_generation(tmp_path):
+    first, second = tmp_path / "r12", tmp_path / "r3"
+    first.mkdir(), second.mkdir()
+    a = _throughput("shared-prefix", [128, 4352, 128, 128], {"stock": 2.76, "vattn": 2.77})
+    a["rows"]["stock"]["seconds_each"], a["rows"]["vattn"]["seconds_each"] = [3.49, 2.76], [5.17, 2.77]
+    _round(a, "@2", [3.57, 2.79], [5.05, 2.79])
+    b = {"workload": "shared-prefix", "shape": [128, 4352, 128, 128], "rows": {}, "errors": {}}
+    _round(b, "@3", [3.57, 2.77], [5.67, 2.79])
+    _write(first, "throughput_shared-prefix.json", a)
+    _write(second, "throughput_shared-prefix.json", b)
+    res = engine.load_results([str(first), str(second)])
+    report = res["workloads"]["shared-prefix"]
+    assert set(report["rows"]) == {"stock", "vattn", "stock@2", "vattn@2", "stock@3", "vattn@3"}
+    assert report["pooled"]["stock"]["engines"] == 3 and len(report["pooled"]["vattn"]["seconds_all"]) == 6
+    line = engine.rounds_line("shared-prefix", report)
+    gen1 = sorted([3.49 / 5.17, 3.57 / 5.05, 3.57 / 5.67])
+    gen2 = sorted([2.76 / 2.77, 2.79 / 2.79, 2.77 / 2.79])
+    assert "median of 3 alternated rounds" in line
+    assert f"generation 1 **{gen1[1]:.3f}×** ({gen1[0]:.3f}–{gen1[2]:.3f})" in line
+    assert f"generation 2 **{gen2[1]:.3f}×** ({gen2[0]:.3f}–{gen2[2]:.3f})" in line
+    md = engine.markdown(res)
+    assert line in md and "seconds per generation of one engine" not in md   # rounds replace it
+    row = next(l for l in md.splitlines() if l.startswith("| shared-prefix"))
+    assert f"**{gen1[1]:.3f}×** / **{gen2[1]:.3f}×** (per generation, median of 3 rounds)" in row
+    _write(second, "throughput_shared-prefix.json", a)                       # the same modes twice
+    with pytest.raises(ConfigError, match="more than one folder"):
+        engine.load_results([str(first), str(second)])
+    with pytest.raises(ConfigError, match="at least one folder"):
+        engine.load_results([])
+
+
+def test_one_round_or_uneven_generations_give_no_rounds_line():
+    one = _throughput("x", [1, 1, 1, 1], {"stock": 1.0, "vattn": 1.0})
+    _round(one, "", [1.0, 1.0], [1.0, 1.0])
+    assert engine.rounds_line("x", one) is None
+    _round(one, "@2", [1.0], [1.0])                         # a round with one generation only
+    assert engine.rounds_line("x", one) is None

@@ -41,8 +41,10 @@ import numpy as np
 import torch
 
 from vattn.core.config import DRIVER_RETRIES_ENV, driver_retries
+from vattn.core.config import stage_prefixes as stage_prefixes_env
 from vattn.core.errors import ConfigError, DriverRetry, SlotError, VattnError
 from vattn.core.metrics import Histogram
+from vattn.core.staging import PrefixBursts
 
 from .late_ids import HitIds, LateIds, page_cells
 
@@ -82,9 +84,15 @@ class RowSlots:
         Times a cache call whose driver call failed is retried within a forward (default
         ``$VATTN_DRIVER_RETRIES`` or 2); past that the :class:`DriverError` propagates: SGLang
         has no way for the attention backend to preempt one request, so the step fails.
+    stage_prefixes : bool, optional
+        Map a prefix that new requests keep hitting into empty idle slots ahead of the next
+        ones (:meth:`VirtualKVCache.stage_prefix`, :class:`~vattn.core.staging.PrefixBursts`);
+        default ``$VATTN_STAGE_PREFIXES`` (1). Only with map-ahead on (the GPU default): the
+        worker maps while the device computes.
     """
 
-    def __init__(self, cache, *, page_size: int, retries: int | None = None):
+    def __init__(self, cache, *, page_size: int, retries: int | None = None,
+                 stage_prefixes: bool | None = None):
         if cache.layout.tokens_for(1) != page_size:
             raise ConfigError(f"SGLang page_size {page_size} must equal the tokens of one vattn "
                               f"page-set ({cache.layout.tokens_for(1)})")
@@ -104,6 +112,9 @@ class RowSlots:
                                  f"{DRIVER_RETRIES_ENV}; SGLang cannot preempt one request from the "
                                  "attention backend")
         self.late = LateIds(cache, page_size, self.retry)   # page-sets claimed, ids not bound yet
+        wanted = stage_prefixes_env() if stage_prefixes is None else stage_prefixes
+        self.staging = bool(wanted) and cache.config.map_ahead_tokens > 0
+        self._bursts = PrefixBursts()
         self.hit_ids = HitIds(page_size)             # radix hits' page ids, copied at alloc
         #: reads from the device that waited for it: the rows of a batch with an unknown request
         #: id, hit page ids not copied ahead (with SGLang's request ids: none)
@@ -328,6 +339,9 @@ class RowSlots:
             if failed:
                 raise VattnError(f"vattn could not map the page-sets of slots {failed} although "
                                  f"SGLang allocated their pages; capacity: {self.cache.capacity()}")
+            if self.staging:                    # queued for the map-ahead worker
+                for keys, copies in self._bursts.observe(items):
+                    self.cache.stage_prefix(keys, copies)
         lap("hits")
         low = np.where(new, hits, self.bound[rows])
         need = np.flatnonzero(want > low)

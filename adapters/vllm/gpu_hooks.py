@@ -26,6 +26,7 @@ import logging
 
 import torch
 
+from vattn.core.config import stage_prefixes
 from vattn.core.errors import ConfigError, UnsupportedError
 
 from . import gpu_layout
@@ -112,7 +113,8 @@ def start_runtime(kv_cache_config, *, device, max_num_reqs: int, max_model_len: 
     rt.uninstall()
     runtime = GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max_num_tokens,
                          attn_margin=gpu_layout.EXACT_MARGIN if exact else 0, max_model_len=max_model_len,
-                         prefix_caching=prefix_caching)
+                         prefix_caching=prefix_caching,
+                         stage_prefixes=prefix_caching and stage_prefixes())
     rt.install(runtime)
     logger.info("%s (vLLM blocks of %d tokens = page-sets; prefix caching %s)",
                 runtime.cache.summary(prewarm_s=runtime.prewarm_s), block,

@@ -27,6 +27,7 @@ from vattn.core.config import DRIVER_RETRIES_ENV, driver_retries
 from vattn.core.errors import ConfigError, DriverRetry, VattnError
 from vattn.core.metrics import Histogram
 from vattn.core.requests import RequestSlots
+from vattn.core.staging import PrefixBursts
 
 from .slot_tables import SlotTables
 
@@ -57,11 +58,18 @@ class GpuRuntime:
         page-set that holds it (:meth:`VirtualKVCache.bind`, keyed by vLLM's block id), and a
         new request's prefix-cache hit maps the cached page-sets into its own region (shared,
         never copied); vLLM's block pool, hashing and eviction decide everything, vattn follows.
+    stage_prefixes : bool
+        With prefix caching: a prefix that new requests keep hitting (two or more in one step,
+        or one in each of two steps running) is mapped ahead into as many empty idle slots as
+        hit it in the step (:meth:`VirtualKVCache.stage_prefix`, on the map-ahead worker while
+        the device computes), so the next requests with it find it in place instead of mapping
+        it on the step's critical path (a burst sharing a system prompt).
     """
 
     def __init__(self, config: KVCacheConfig, *, block_size: int, layer_names: list[str],
                  max_num_tokens: int, attn_margin: int = 0, max_model_len: int | None = None,
-                 prefix_caching: bool = False, driver=None, retries: int | None = None):
+                 prefix_caching: bool = False, stage_prefixes: bool = False, driver=None,
+                 retries: int | None = None):
         start = time.perf_counter()
         if len(layer_names) != config.num_layers:
             raise ConfigError(f"{len(layer_names)} layer names for a cache of {config.num_layers} layers")
@@ -91,6 +99,9 @@ class GpuRuntime:
         self.sharing = prefix_caching
         self._binds: dict[int, list] = {}      # request index -> [first new block, new ids, hits]
         self._copies: list[tuple[int, int]] = []   # (cached block, the request's copy), this step
+        self.staging = stage_prefixes and prefix_caching
+        self._bursts = PrefixBursts()          # which prefixes to stage (stage_prefixes)
+        self._stage: list[tuple[list, int]] = []   # (prefix blocks, idle copies wanted), this step
         self._kv: dict[int, torch.Tensor] = {}
         self.step_us = Histogram()             # host time of apply() (ensure + upload) per step
         self.blocks_us = Histogram()           # host time of on_blocks() (incl. acquire) per call
@@ -157,6 +168,8 @@ class GpuRuntime:
                      for index, (first, ids, hits) in self._binds.items()]
             failed = self._retry(lambda: self.cache.bind_many(items))
             self._binds.clear()
+            if self.staging:
+                self._stage = self._bursts.observe(items)
             if failed:
                 raise VattnError(f"vattn could not map the page-sets of slots {failed} although vLLM "
                                  f"allocated their blocks; capacity: {self.cache.capacity()}")
@@ -177,6 +190,9 @@ class GpuRuntime:
                 raise VattnError(f"vattn could not map pages for slots {failed} although vLLM "
                                  f"allocated their blocks; capacity: {self.cache.capacity()}")
         self.tables.upload()
+        for keys, copies in self._stage:              # queued for the map-ahead worker
+            self.cache.stage_prefix(keys, copies)
+        self._stage = []
         self.step_us.observe((time.perf_counter() - start) * 1e6)
         if self.snapshots is not None:
             self.snapshots.step()
@@ -222,7 +238,7 @@ class GpuRuntime:
             "slot_upload_waits": self.tables.staging_waits,
             "slot_mapping": "triton" if self.tables.fused else f"torch ({self.tables.fused_error or 'not CUDA'})",
             "block_size": self.block_size, "rows_per_slot": self.rows_per_slot,
-            "prefix_caching": self.sharing,
+            "prefix_caching": self.sharing, "stage_prefixes": self.staging,
             "attn_page_rows": self.attn_rows,
             "layout": cache_layout_row(self.cache.config, self.cache.layout.page_bytes)}
 

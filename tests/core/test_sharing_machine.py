@@ -61,7 +61,7 @@ class SharingMachine(RuleBasedStateMachine):
     def teardown(self):
         m = self.cache.metrics()
         for name in ("prefix_hits", "pages_aliased", "keys_bound", "fence_waits", "page_sets_moved",
-                     "pages_retired"):
+                     "pages_retired", "page_sets_staged"):
             SharingMachine.totals[name] = SharingMachine.totals.get(name, 0) + m[name]
         SharingMachine.totals["evicting"] = SharingMachine.totals.get("evicting", 0) + (not self.never_used)
         self.kv = None
@@ -148,6 +148,19 @@ class SharingMachine(RuleBasedStateMachine):
         if src not in self._in_use():  # retained until copied (vLLM), then cached again
             self.cached[src] = self.value[src]
         self._admitted(slot, blocks, hit)   # the copy is overwritten: src must not change
+
+    @precondition(lambda self: self.chains)
+    @rule(choice=st.integers(0, 50), hit_len=st.integers(1, 4), copies=st.integers(1, 3))
+    def stage(self, choice, hit_len, copies):
+        """The engine saw a burst of requests hit a cached prefix: it is mapped into idle slots
+        ahead of the next ones (on the map-ahead worker); a later admission with that hit is
+        handed one and finds it in place."""
+        self._resolve()
+        hit = self._hit(choice, hit_len)
+        if hit:
+            queued = self.cache.stage_prefix(hit, copies)
+            self.cache.wait()
+            SharingMachine.totals["staged"] = SharingMachine.totals.get("staged", 0) + queued
 
     def _admission(self, choice, hit_len, fresh):
         """A new request's ``(slot, blocks, hit)``, acquired and not bound yet (``None``: the
@@ -263,3 +276,4 @@ def test_sharing_state_machine():
     assert t["prefix_hits"] > 100 and t["pages_aliased"] > 100 and t["evicting"] > 10, t
     assert t["page_sets_moved"] > 10 and t["forgotten"] > 10 and t["claimed"] > 50, t
     assert t["copied"] > 50, t         # copy-on-write of a hit ending inside a block
+    assert t["staged"] > 20 and t["page_sets_staged"] > 20, t   # prefixes staged into idle slots

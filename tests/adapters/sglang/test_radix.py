@@ -352,3 +352,37 @@ def test_hit_page_ids_come_from_the_radix_nodes_and_follow_a_split():
     for req in (b, c, d):
         e.finish(req)
     e.cache.audit()
+
+
+@pytest.mark.parametrize("stage", [True, False])
+def test_a_burst_on_one_prefix_is_staged_into_idle_slots(stage, monkeypatch):
+    """Two new requests hit the tree's prefix in one batch: with map-ahead on, the prefix is
+    mapped into two empty idle slots on the worker, and the next two requests with it are handed
+    those slots and map nothing for their hit; every region holds exactly its tokens."""
+    monkeypatch.setenv("VATTN_STAGE_PREFIXES", "1" if stage else "0")
+    e = Engine(reqs=8, map_ahead=PAGE)
+    assert e.pool.requests.staging is stage
+    a = new_req(P + [1, 2, 3])
+    e.admit([a])
+    e.finish(a)
+    first = [new_req(P + [5 + i] * 10) for i in range(2)]
+    assert e.admit(first) == [2 * PAGE] * 2
+    e.cache.wait()
+    before = e.cache.metrics()
+    later = [new_req(P + [9 + i] * 10) for i in range(2)]
+    assert e.admit(later) == [2 * PAGE] * 2
+    after = e.cache.metrics()            # the worker may be staging for this batch meanwhile
+    ranges = e.cache.layout.num_ranges
+    on_path = (after["pages_aliased"] - before["pages_aliased"]
+               - (after["page_sets_staged"] - before["page_sets_staged"]) * ranges)
+    if stage:
+        assert before["page_sets_staged"] >= 4 and on_path == 0
+    else:
+        assert after["page_sets_staged"] == 0 and on_path == 2 * 2 * ranges
+    e.decode(first + later)
+    e.cache.audit()
+    for r in first + later:
+        e.finish(r)
+    settle(e)
+    e.cache.wait()
+    e.cache.audit()

@@ -405,3 +405,69 @@ def test_runtime_metrics_snapshots(tmp_path, monkeypatch):
     finally:
         rt.close()
     assert rt.snapshots._thread is None
+
+
+def _burst(rt):
+    """Request 0 wrote blocks 1-2 (a shared prefix) and 3; requests 1 and 2 arrive together
+    hitting blocks 1-2 (a burst sharing a system prompt), then requests 3 and 4 do."""
+    rt.on_blocks(0, 3, new_request=True, block_ids=[1, 2, 3])
+    rt.apply()
+    for i, v in enumerate((11, 12, 13)):
+        _fill(rt, 0, i, v)
+    rt.on_blocks(1, 3, new_request=True, block_ids=[1, 2, 4], hits=2)
+    rt.on_blocks(2, 3, new_request=True, block_ids=[1, 2, 5], hits=2)
+    rt.apply()
+    rt.cache.wait()                                      # the map-ahead worker ran meanwhile
+    before = rt.cache.metrics()
+    rt.on_blocks(3, 3, new_request=True, block_ids=[1, 2, 6], hits=2)
+    rt.on_blocks(4, 3, new_request=True, block_ids=[1, 2, 7], hits=2)
+    rt.apply()
+    after = rt.cache.metrics()            # the worker may be staging for this step meanwhile
+    for index in (1, 2, 3, 4):
+        assert _reads(rt, index, 0, 11) and _reads(rt, index, 1, 12)
+    rt.cache.wait()
+    rt.cache.audit()
+    delta = {k: after[k] - before[k] for k in ("pages_aliased", "page_sets_staged")}
+    return delta["pages_aliased"] - delta["page_sets_staged"] * rt.cache.layout.num_ranges, before
+
+
+def _staging_runtime(stage):
+    cfg = gl.cache_config(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, num_blocks=12,
+                          max_num_reqs=8, max_model_len=4000, device="cpu", group_size=2)
+    block = gl.tokens_per_page(num_kv_heads=2, head_dim=64, dtype=torch.float32, group_size=2)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    return GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=64, max_model_len=4000,
+                      prefix_caching=True, stage_prefixes=stage)
+
+
+def test_a_burst_sharing_a_prefix_finds_it_staged_in_idle_slots():
+    """Two new requests hitting one prefix in a step: it is mapped into two empty idle slots on
+    the map-ahead worker, and the next two requests with it take those slots and map nothing for
+    their hit (without staging each maps the prefix on the step's path)."""
+    staged, plain = _staging_runtime(True), _staging_runtime(False)
+    try:
+        assert staged.cache.config.map_ahead_tokens > 0 and staged.metrics()["stage_prefixes"]
+        (on_path, ahead), (plain_path, _) = _burst(staged), _burst(plain)
+        assert on_path == 0 and plain_path == 2 * 2 * 2          # 2 requests x 2 page-sets x 2 ranges
+        assert ahead["page_sets_staged"] >= 4 and plain.cache.metrics()["page_sets_staged"] == 0
+    finally:
+        staged.close()
+        plain.close()
+
+
+def test_one_request_with_a_prefix_stages_nothing_until_the_next_step_hits_it_again():
+    rt = _staging_runtime(True)
+    try:
+        rt.on_blocks(0, 3, new_request=True, block_ids=[1, 2, 3])
+        rt.apply()
+        rt.on_blocks(1, 3, new_request=True, block_ids=[1, 2, 4], hits=2)
+        rt.apply()
+        rt.cache.wait()
+        assert rt.cache.metrics()["page_sets_staged"] == 0     # one hit: a repeated prompt, maybe
+        rt.on_blocks(2, 3, new_request=True, block_ids=[1, 2, 5], hits=2)
+        rt.apply()
+        rt.cache.wait()
+        assert rt.cache.metrics()["page_sets_staged"] == 2     # hit again the next step: staged once
+        rt.cache.audit()
+    finally:
+        rt.close()
