@@ -24,7 +24,7 @@ from vattn.conformance.models import PRESETS, decode_traffic_bytes
 from vattn.core.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "load_results", "markdown", "plot", "decode_bandwidth", "hits_line",
-           "generations_line", "rounds_line", "round_ratios"]
+           "generations_line", "rounds_line", "round_ratios", "variants_line"]
 
 _ORDER = ("decode-heavy", "prefill-heavy", "long-context")
 
@@ -174,6 +174,7 @@ def _workload_row(name: str, report: dict, hbm_tbps: float | None) -> str:
     crit = (" + ".join(f"{_fmt(ms, '.1f')} ms {name}" for name, ms in host.items()) +
             f"; {vmm.get('pages_mapped_on_demand', '—')} pages mapped on demand" +
             (f"; {vmm['device_reads']} device reads" if vmm.get("device_reads") is not None else "")
+            + (f"; {vmm['page_sets_staged']} page-sets staged ahead" if vmm.get("page_sets_staged") else "")
             ) if vmm else "—"
     bw = decode_bandwidth(report, "vattn") if name.split(" (")[0] == "decode-heavy" else None
     share = (f"{bw / 1e12:.2f} TB/s" + (f" ({100 * bw / (hbm_tbps * 1e12):.0f} %)" if hbm_tbps else "")
@@ -214,10 +215,11 @@ def markdown(results: dict, *, hbm_tbps: float | None = None, png: str | None = 
         if gens:
             lines.append(gens)
     for name, report in results["workloads"].items():
-        hits = hits_line(name, report)
-        if hits:
-            lines.append(hits)
+        for line in (variants_line(name, report), hits_line(name, report)):
+            if line:
+                lines.append(line)
     if any(r.get("pooled") or r.get("paired") or hits_line(n, r) or generations_line(n, r) or rounds_line(n, r)
+           or variants_line(n, r)
            for n, r in results["workloads"].items()):
         lines.append("")
     ident = results["identity"]
@@ -276,6 +278,25 @@ def rounds_line(name: str, report: dict) -> str | None:
     return (f"- {name}: vattn / stock per generation, median of {len(rounds)} alternated rounds (a "
             f"fresh engine of each mode per round, stock first; spread in brackets): {', '.join(gens)}; "
             f"per round: {each}")
+
+
+def variants_line(name: str, report: dict) -> str | None:
+    """``- name: other modes ...``: each mode run beside stock that is not stock, ceiling or vattn
+    (e.g. ``vattn:s0``, prefix staging off; ``vattn:g2``), with its seconds per generation and
+    stock's speed over it per generation, round by round (``MODE@N`` against ``stock@N``)."""
+    rows = _rows(report)
+    cells = []
+    for mode, row in rows.items():
+        base, _, tag = mode.partition("@")
+        if base in ("stock", "ceiling", "vattn"):
+            continue
+        stock = (rows.get("stock" + ("@" + tag if tag else "")) or {}).get("seconds_each") or []
+        each = row.get("seconds_each") or []
+        if not each or len(stock) != len(each) or not all(each):
+            continue
+        cells.append(f"{mode} {', '.join(f'{t:.2f}' for t in each)} s "
+                     f"({', '.join(f'{s / t:.3f}×' for s, t in zip(stock, each))} stock)")
+    return f"- {name}: other modes per generation: {'; '.join(cells)}" if cells else None
 
 
 def hits_line(name: str, report: dict) -> str | None:

@@ -1,7 +1,10 @@
 """Map-ahead: a background thread maps each running slot's next page-set while the GPU computes.
 
 Pages come from the free pool, else from idle slots (oldest released first, finished fences
-only): moving warm pages to the requests that grow happens here, off the critical path.
+only), else from what running slots hold beyond what their requests read plus their own
+map-ahead margin: moving warm pages to the requests that grow happens here, off the critical
+path. When no running slot waits for a page-set, the worker maps staged prefixes into idle slots
+(:mod:`.staging`).
 
 Three phases per page-set so the engine thread is never blocked behind a VMM call it does not
 need: plan (under the cache lock: take pages, mark the slot in flight), map (no lock:

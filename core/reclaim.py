@@ -19,14 +19,15 @@ class Reclaim:
     def __init__(self, state: CacheState):
         self.state = state
 
-    def victims(self, protect: dict[int, int], *, idle_only: bool = False
+    def victims(self, protect: dict[int, int], *, idle_only: bool = False, margin: int = 0
                 ) -> tuple[np.ndarray, np.ndarray]:
         """``(slots, page-sets to keep)``: idle slots oldest first (keep 0), then the surplus of
         active slots (vectorised over the slots).
 
         ``protect`` maps a slot to the page-sets the current call needs it to keep (beyond what
-        its request reads); only what lies above both may be taken. Slots being mapped in the
-        background are never victims.
+        its request reads); only what lies above both may be taken. ``margin``: page-sets every
+        active slot keeps above what its request reads (what map-ahead gives it). Slots being
+        mapped in the background are never victims.
         """
         st, table = self.state, self.state.slots
         n = st.config.max_slots
@@ -39,7 +40,7 @@ class Reclaim:
         idle = idle[np.argsort(table.released_at[idle], kind="stable")]
         if idle_only:
             return idle, np.zeros(idle.size, dtype=np.int64)
-        keep = table.num_read_sets(slice(0, n))
+        keep = table.num_read_sets(slice(0, n)) + margin
         if protect:
             ps = np.fromiter(protect.keys(), dtype=np.int64, count=len(protect))
             pk = np.fromiter(protect.values(), dtype=np.int64, count=len(protect))
@@ -69,7 +70,7 @@ class Reclaim:
                    for pages in st.pages.mapped[s] if len(pages) > k)
 
     def reclaim(self, want: int, protect: dict[int, int], *, idle_only: bool = False,
-                block: bool = True) -> int:
+                block: bool = True, margin: int = 0) -> int:
         """Free at least ``want`` pages from :meth:`victims`, taking from each victim only the
         page-sets still needed; ``block=False`` skips victims whose fence has not completed.
 
@@ -77,7 +78,7 @@ class Reclaim:
         (unmapping a bound page-set frees nothing); a second pass unmaps through bound ones to
         reach free-able page-sets below them."""
         st, freed = self.state, 0
-        slots, keeps = self.victims(protect, idle_only=idle_only)
+        slots, keeps = self.victims(protect, idle_only=idle_only, margin=margin)
         retire = block and st.config.stream_ordered
         for only_free in ((True, False) if len(st.keys) else (False,)):
             for wait in ((False, True) if block else (False,)):   # finished fences first, then wait
@@ -97,11 +98,16 @@ class Reclaim:
 
     def take_unfenced(self, num: int) -> list[int] | None:
         """``num`` free pool pages; when the pool is dry, first unmap them from the idle slots
-        released longest ago (never from a running request, never waiting on a fence): how the
-        map-ahead worker takes the pages an even pre-warm left on slots nobody uses."""
-        pool = self.state.pool
+        released longest ago, then from what running requests hold beyond what they read plus
+        their map-ahead margin (a pre-warmed slot deeper than its request; never waiting on a
+        fence): how the map-ahead worker takes the pages a pre-warm left where nobody reads them,
+        so a request that found no warm slot grows in the background, not on the step's path."""
+        pool, st = self.state.pool, self.state
         pids = pool.take(num, unfenced=True)
         if pids is None and self.reclaim(num - pool.num_unfenced, {}, idle_only=True, block=False):
+            pids = pool.take(num, unfenced=True)
+        margin = st.layout.pages_for(st.config.map_ahead_tokens)
+        if pids is None and self.reclaim(num - pool.num_unfenced, {}, block=False, margin=margin):
             pids = pool.take(num, unfenced=True)
         return pids
 

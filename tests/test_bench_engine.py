@@ -194,6 +194,27 @@ def test_rounds_from_two_calls_are_merged_into_medians_per_generation(tmp_path):
         engine.load_results([])
 
 
+def test_prefix_staging_shows_in_the_critical_path_cell():
+    report = _throughput("shared-prefix", [128, 4352, 128, 128], {"stock": 2.76, "vattn": 2.77})
+    report["rows"]["vattn"]["vmm_critical_path"]["page_sets_staged"] = 3680
+    md = engine.markdown({"identity": None, "workloads": {"shared-prefix": report}, "env": ""})
+    row = next(l for l in md.splitlines() if l.startswith("| shared-prefix"))
+    assert "0 pages mapped on demand; 3680 page-sets staged ahead" in row
+
+
+def test_other_modes_are_listed_against_stock_of_their_round():
+    report = _throughput("shared-prefix", [128, 4352, 128, 128], {"stock": 2.76, "vattn": 2.77})
+    _round(report, "", [3.5, 2.8], [4.2, 2.8])
+    report["rows"]["vattn:s0"] = {"seconds": 2.8, "seconds_each": [5.0, 2.8]}
+    report["rows"]["stock@2"] = {"seconds": 2.8, "seconds_each": [3.6, 2.8]}
+    report["rows"]["vattn:s0@2"] = {"seconds": 2.8, "seconds_each": [4.5, 2.9]}
+    line = engine.variants_line("shared-prefix", report)
+    assert line == ("- shared-prefix: other modes per generation: vattn:s0 5.00, 2.80 s (0.700×, 1.000× stock); "
+                    "vattn:s0@2 4.50, 2.90 s (0.800×, 0.966× stock)")
+    assert line in engine.markdown({"identity": None, "workloads": {"shared-prefix": report}, "env": ""})
+    assert engine.variants_line("x", _throughput("x", [1, 1, 1, 1], {"stock": 1.0, "vattn": 1.0})) is None
+
+
 def test_one_round_or_uneven_generations_give_no_rounds_line():
     one = _throughput("x", [1, 1, 1, 1], {"stock": 1.0, "vattn": 1.0})
     _round(one, "", [1.0, 1.0], [1.0, 1.0])

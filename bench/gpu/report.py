@@ -63,7 +63,7 @@ _STEP_CALL = {"vllm": "apply_step_us", "sglang": "alloc_decode_us"}
 #: the core's page events, copied as they are
 _COUNTERS = ("pages_mapped_on_demand", "map_calls", "unmap_calls", "set_access_calls", "fence_waits",
              "pages_retired", "warm_hits", "prefix_hits", "pages_aliased", "keys_bound", "page_sets_moved", "keys_held",
-             "slot_mapping", "layout",
+             "page_sets_staged", "stage_prefixes", "blocks_copied", "slot_mapping", "layout",
              # SGLang: host waits for the device before a forward, hit copies waited for, retries
              "device_reads", "hit_copy_waits", "driver_retries",
              # SGLang: host ms per part of a forward's preparation (extend / decode)

@@ -13,7 +13,8 @@ that run, the stock modes leave it unset so they are untouched stock vLLM. Modes
 ``MODE@N`` (e.g. ``stock@2``) runs a mode once more in a fresh engine: is it reproducible itself?
 ``vattn:gG`` (or ``vattn-exact:gG``) runs the vattn mode with ``G`` layers per VA range
 (``VATTN_GROUP_SIZE=G`` in its engine): layouts compared side by side in one run, e.g.
-``stock vattn vattn:g2 ceiling``.
+``stock vattn vattn:g2 ceiling``; ``vattn:s0`` runs it with prefix staging off
+(``VATTN_STAGE_PREFIXES=0``), e.g. ``stock vattn vattn:s0`` (variants combine: ``vattn:g2:s0``).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class VllmRunner:
         if modes is not None and (not modes or not {_base(m) for m in modes} <= set(offered)):
             raise ConfigError(f"vllm modes must be a non-empty subset of {offered} on {device} "
                               f"(a mode again in a fresh engine as MODE@N, e.g. stock@2; vattn with G layers per "
-                              f"VA range as vattn:gG), got {modes}")
+                              f"VA range as vattn:gG, with prefix staging off as vattn:s0), got {modes}")
         self.modes = tuple(modes) if modes is not None else offered
         self.log_dir, self.tag = log_dir, tag
         self.max_num_seqs = max_num_seqs
@@ -116,9 +117,13 @@ class VllmRunner:
         env = dict(os.environ) | self.engine_env
         env.pop("VATTN_VLLM", None)
         env.pop("VATTN_VLLM_EXACT", None)
-        group = _group(spec.get("run_name", spec["mode"]))
+        env.pop("VATTN_STAGE_PREFIXES", None)
+        run = spec.get("run_name", spec["mode"])
+        group = _group(run)
         if group is not None:
             env["VATTN_GROUP_SIZE"] = str(group)
+        if _staging_off(run):
+            env["VATTN_STAGE_PREFIXES"] = "0"
         if spec["mode"] in ("vattn", "vattn-exact"):
             env["VATTN_VLLM"] = "1"
             env["VATTN_VLLM_EXACT"] = "1" if spec["mode"] == "vattn-exact" else "0"
@@ -135,23 +140,35 @@ class VllmRunner:
 
 def _base(mode: str) -> str:
     """``stock@2`` -> ``stock``: the same mode once more, in a fresh engine (run-to-run check);
-    ``vattn:g2`` (or ``vattn:g2@2``) -> ``vattn``: the vattn mode with another layer group size."""
+    ``vattn:g2`` (or ``vattn:g2@2``) -> ``vattn``: the vattn mode with another layer group size;
+    ``vattn:s0`` -> ``vattn`` with prefix staging off (variants combine: ``vattn:g2:s0``)."""
     base, _, again = mode.partition("@")
     if again and not again.isdigit():
         return mode
-    name, _, group = base.partition(":")
-    if group:
-        return name if name in ("vattn", "vattn-exact") and _GROUP.fullmatch(group) else mode
+    name, *variants = base.split(":")
+    if variants:
+        ok = name in ("vattn", "vattn-exact") and all(_VARIANT.fullmatch(v) for v in variants) \
+            and len(set(v[0] for v in variants)) == len(variants)
+        return name if ok else mode
     return base
 
 
-_GROUP = re.compile(r"g([1-9][0-9]*)")
+_VARIANT = re.compile(r"g[1-9][0-9]*|s0")
+
+
+def _variants(mode: str) -> list[str]:
+    """The ``:`` variants of a valid vattn mode (``[]`` for any other mode)."""
+    return mode.partition("@")[0].split(":")[1:] if _base(mode) != mode else []
 
 
 def _group(mode: str) -> int | None:
     """The layer group size of a ``vattn:gG`` mode, ``None`` for any other mode."""
-    m = _GROUP.fullmatch(mode.partition("@")[0].partition(":")[2])
-    return int(m.group(1)) if m and _base(mode) != mode else None
+    return next((int(v[1:]) for v in _variants(mode) if v.startswith("g")), None)
+
+
+def _staging_off(mode: str) -> bool:
+    """Whether ``mode`` is a ``vattn:s0`` variant (prefix staging off in its engine)."""
+    return "s0" in _variants(mode)
 
 
 def _round_up(n: int, step: int) -> int:

@@ -135,6 +135,31 @@ def test_map_ahead_takes_mapping_off_the_critical_path():
         assert cache.mapped_tokens(s) >= 259 + 1
 
 
+def test_map_ahead_takes_a_running_slots_unread_surplus_when_nothing_is_idle():
+    """A request that found no warm slot grows in the background from the pages a pre-warmed
+    slot holds beyond what its request reads (plus that slot's own map-ahead margin), instead
+    of on the step's path."""
+    with make_cache(map_ahead_tokens=64, max_slots=3, page_budget=12 * SMALL_PAGE) as cache:
+        per_set = cache.layout.tokens_for(1)
+        ranges = cache.layout.num_ranges
+        a = cache.acquire()
+        cache.ensure({a: 4 * per_set})                     # 4 page-sets, then a shorter request
+        cache.release(a)
+        assert cache.acquire(expected_len=per_set) == a
+        cache.ensure({a: per_set})
+        b = cache.acquire()
+        assert b != a and cache.ensure({b: per_set}) == [] and cache.capacity().free_pages == 0
+        before = cache.metrics()
+        assert cache.step({b: per_set}) == []              # the worker maps b's next page-set
+        cache.wait()
+        after = cache.metrics()
+        assert cache.mapped_tokens(b) >= 2 * per_set
+        assert after["pages_mapped_ahead"] - before["pages_mapped_ahead"] == ranges
+        assert after["pages_mapped_on_demand"] == before["pages_mapped_on_demand"]
+        assert cache._pages.usable(a) >= 2                   # a keeps what it reads + its margin
+        cache.audit()
+
+
 def test_slot_errors():
     with make_cache() as cache:
         with pytest.raises(SlotError, match=r"in \[0, 6\)"):

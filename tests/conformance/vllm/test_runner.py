@@ -87,3 +87,26 @@ def test_runner_group_variant_sets_the_group_size_of_its_engine(monkeypatch):
         with pytest.raises(RuntimeError, match="stop here"):
             runner.run(mode, "m", [[1, 2]], 1)
     assert seen == {None: ("1", "0"), "2": ("1", "0")}   # engine_env wins over this process's
+
+
+def test_runner_staging_variant_turns_prefix_staging_off_in_its_engine(monkeypatch):
+    from vattn.conformance.runners import vllm as conf
+    assert conf._base("vattn:s0") == "vattn" and conf._base("vattn:g2:s0@2") == "vattn"
+    assert conf._staging_off("vattn:g2:s0") and conf._group("vattn:g2:s0") == 2
+    assert not conf._staging_off("vattn") and not conf._staging_off("stock@2")
+    for bad in ("stock:s0", "vattn:s1", "vattn:s0:s0", "vattn:g2:g4"):
+        assert conf._base(bad) == bad
+        with pytest.raises(ConfigError, match="vattn:s0"):
+            conf.VllmRunner(device="cuda", modes=("stock", bad))
+    seen = {}
+
+    def fake_run(cmd, env, timeout_s, log=None):
+        seen[len(seen)] = env.get("VATTN_STAGE_PREFIXES")
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(process, "run_group", fake_run)
+    monkeypatch.setenv("VATTN_STAGE_PREFIXES", "0")          # this process's setting is not inherited
+    runner = conf.VllmRunner(device="cuda", modes=("vattn", "vattn:s0"), log_dir=None)
+    for mode in runner.modes:
+        with pytest.raises(RuntimeError, match="stop here"):
+            runner.run(mode, "m", [[1, 2]], 1)
+    assert seen == {0: None, 1: "0"}
