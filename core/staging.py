@@ -2,8 +2,9 @@
 
 A burst of requests sharing a prefix (a system prompt) makes each of them map the prefix's
 page-sets into its own region when it is admitted, on the step's critical path: one map call and
-one access grant per page, and the grant costs ~30 µs per page on the CUDA driver whatever the
-call covers (BENCHMARKS.md, "what a mapping costs"). Staging maps the prefix into *empty* idle
+one access grant per page, and the grant costs ~30 µs per physical allocation on the CUDA driver
+(one per page in the pool) whatever the call covers (BENCHMARKS.md, "what one mapping costs").
+Staging maps the prefix into *empty* idle
 slots beforehand (no page of their own to unmap, no fence to wait for), one page-set at a time
 — on the map-ahead worker while the device computes, when the cache has one — and admission
 hands those slots to the next requests that hit it: their prefix is in place, so binding it
@@ -28,8 +29,8 @@ class PrefixBursts:
     policy for :meth:`VirtualKVCache.stage_prefix`): a prefix (named by its last hit key) hit by
     two or more new requests of a step, or by one again after one hit it in the previous step
     observed — a burst, or a stream, of requests sharing a system prompt — with the number that
-    hit it now (the idle copies to keep ready). A prompt repeated once (each request hits its own) stages
-    nothing."""
+    hit it now (the idle copies to keep ready). A prompt repeated once (each request hits its
+    own) stages nothing."""
 
     def __init__(self):
         self._last: set = set()
