@@ -41,7 +41,8 @@ class SglangRunner:
     Parameters
     ----------
     modes : tuple of str
-        Subset of ``("stock", "stock-eager", "vattn", "vattn-eager")``; the first is the baseline.
+        Subset of ``("stock", "stock-eager", "vattn", "vattn-eager", "vattn-nostage")`` (the last:
+        prefix staging off); the first is the baseline.
     engine_args : dict, optional
         Extra ``sglang.Engine`` keyword arguments for every mode (e.g. ``load_format="dummy"``,
         ``max_running_requests``, ``context_length``, ``mem_fraction_static``).
@@ -101,11 +102,15 @@ class SglangRunner:
     @staticmethod
     def env_for(mode: str) -> dict:
         """The environment of ``mode``'s engine process: this one's, SGLang's FA3 kernel chosen,
-        ``VATTN_SGLANG=1`` (the vattn platform) for the vattn modes only."""
+        ``VATTN_SGLANG=1`` (the vattn platform) for the vattn modes only, prefix staging off for
+        ``vattn-nostage`` only."""
         env = dict(os.environ, SGLANG_USE_SGL_FA3_KERNEL="1")
         env.pop("VATTN_SGLANG", None)
+        env.pop("VATTN_STAGE_PREFIXES", None)
         if mode.startswith("vattn"):
             env["VATTN_SGLANG"] = "1"
+        if mode == "vattn-nostage":
+            env["VATTN_STAGE_PREFIXES"] = "0"
         return env
 
     def _launch(self, mode: str, spec: dict) -> RunResult:

@@ -56,3 +56,14 @@ def test_the_worker_hands_the_path_to_the_scheduler_and_reads_it(monkeypatch, tm
         json.dump({"pages_mapped_on_demand": 3}, f)
     assert worker._read_metrics(path) == {"pages_mapped_on_demand": 3}
     assert worker._read_metrics(None) is None
+
+
+def test_the_nostage_mode_is_vattn_with_prefix_staging_off(monkeypatch):
+    from vattn.conformance.runners.sglang import SglangRunner
+    monkeypatch.setenv("VATTN_STAGE_PREFIXES", "0")     # this process's setting is not inherited
+    plain, off = SglangRunner.env_for("vattn"), SglangRunner.env_for("vattn-nostage")
+    assert plain["VATTN_SGLANG"] == off["VATTN_SGLANG"] == "1"
+    assert "VATTN_STAGE_PREFIXES" not in plain and off["VATTN_STAGE_PREFIXES"] == "0"
+    assert "VATTN_SGLANG" not in SglangRunner.env_for("stock")
+    kw = engine_kwargs("vattn-nostage", "/m", {})
+    assert kw == engine_kwargs("vattn", "/m", {})           # the same engine otherwise
