@@ -10,7 +10,7 @@ import torch
 from .errors import ConfigError
 
 __all__ = ["KVCacheConfig", "SCRUB_POLICIES", "MAX_AUTO_RANGES", "auto_group_size", "engine_group_size",
-           "env_int", "DRIVER_RETRIES_ENV", "driver_retries", "STAGE_PREFIXES_ENV", "stage_prefixes"]
+           "env_int", "DRIVER_RETRIES_ENV", "driver_retries", "STAGE_PREFIXES_ENV", "stage_prefixes", "env_flag"]
 
 #: ``group_size=None`` picks the smallest group giving at most this many VA ranges, so a request
 #: wastes at most this many partly filled pages (16 MiB with 2 MiB pages). Measured on the H200
@@ -152,16 +152,21 @@ STAGE_PREFIXES_ENV = "VATTN_STAGE_PREFIXES"
 
 
 def stage_prefixes() -> bool:
-    """Whether ``$VATTN_STAGE_PREFIXES`` (default 1) leaves prefix staging on.
+    """Whether ``$VATTN_STAGE_PREFIXES`` (default 1) leaves prefix staging on."""
+    return env_flag(STAGE_PREFIXES_ENV, True)
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """Environment variable ``name`` as a switch: ``1`` on, ``0`` off, unset: ``default``.
 
     Raises
     ------
     ConfigError
         A value other than ``0`` or ``1``.
     """
-    text = os.environ.get(STAGE_PREFIXES_ENV, "1")
+    text = os.environ.get(name, "1" if default else "0")
     if text not in ("0", "1"):
-        raise ConfigError(f"{STAGE_PREFIXES_ENV} must be 0 or 1, got {text!r}")
+        raise ConfigError(f"{name} must be 0 or 1, got {text!r}")
     return text == "1"
 
 

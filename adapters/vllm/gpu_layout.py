@@ -14,7 +14,7 @@ import os
 import torch
 
 from vattn.core import KVCacheConfig, layout_report
-from vattn.core.config import engine_group_size
+from vattn.core.config import engine_group_size, env_flag
 from vattn.core.errors import ConfigError, UnsupportedError
 
 __all__ = ["PAGE_BYTES", "KV_TILE", "EXACT_ENV", "EXACT_MARGIN", "exact_kernel_path", "default_group_size", "group_size_for", "tokens_per_page",
@@ -40,10 +40,7 @@ EXACT_MARGIN = 16
 
 def exact_kernel_path() -> bool:
     """Whether ``VATTN_VLLM_EXACT=1`` asks for stock's FA3 kernel path (see :data:`EXACT_ENV`)."""
-    text = os.environ.get(EXACT_ENV, "0")
-    if text not in ("0", "1"):
-        raise ConfigError(f"{EXACT_ENV} must be 0 or 1, got {text!r}")
-    return text == "1"
+    return env_flag(EXACT_ENV, False)
 
 
 def default_group_size(num_layers: int) -> int:

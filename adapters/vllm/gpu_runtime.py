@@ -63,7 +63,7 @@ class GpuRuntime:
         or one in each of two steps running) is mapped ahead into as many empty idle slots as
         hit it in the step (:meth:`VirtualKVCache.stage_prefix`, on the map-ahead worker while
         the device computes), so the next requests with it find it in place instead of mapping
-        it on the step's critical path (a burst sharing a system prompt).
+        it on the step's critical path (a burst sharing a system prompt). Only with map-ahead on.
     """
 
     def __init__(self, config: KVCacheConfig, *, block_size: int, layer_names: list[str],
@@ -99,9 +99,9 @@ class GpuRuntime:
         self.sharing = prefix_caching
         self._binds: dict[int, list] = {}      # request index -> [first new block, new ids, hits]
         self._copies: list[tuple[int, int]] = []   # (cached block, the request's copy), this step
-        self.staging = stage_prefixes and prefix_caching
+        # staging runs on the map-ahead worker (without one it would map on the step's path)
+        self.staging = stage_prefixes and prefix_caching and config.map_ahead_tokens > 0
         self._bursts = PrefixBursts()          # which prefixes to stage (stage_prefixes)
-        self._stage: list[tuple[list, int]] = []   # (prefix blocks, idle copies wanted), this step
         self._kv: dict[int, torch.Tensor] = {}
         self.step_us = Histogram()             # host time of apply() (ensure + upload) per step
         self.blocks_us = Histogram()           # host time of on_blocks() (incl. acquire) per call
@@ -161,6 +161,7 @@ class GpuRuntime:
             and vattn's page pool disagree (a bug), not memory pressure.
         """
         start = time.perf_counter()
+        stage: list[tuple[list, int]] = []     # (prefix blocks, idle copies wanted)
         if self._binds:
             # new requests come before running ones here (vLLM adds them first), but a new one
             # may hit a block a running one is given this step: bind_many orders them
@@ -169,7 +170,7 @@ class GpuRuntime:
             failed = self._retry(lambda: self.cache.bind_many(items))
             self._binds.clear()
             if self.staging:
-                self._stage = self._bursts.observe(items)
+                stage = self._bursts.observe(items)
             if failed:
                 raise VattnError(f"vattn could not map the page-sets of slots {failed} although vLLM "
                                  f"allocated their blocks; capacity: {self.cache.capacity()}")
@@ -190,9 +191,8 @@ class GpuRuntime:
                 raise VattnError(f"vattn could not map pages for slots {failed} although vLLM "
                                  f"allocated their blocks; capacity: {self.cache.capacity()}")
         self.tables.upload()
-        for keys, copies in self._stage:              # queued for the map-ahead worker
+        for keys, copies in stage:                    # queued for the map-ahead worker
             self.cache.stage_prefix(keys, copies)
-        self._stage = []
         self.step_us.observe((time.perf_counter() - start) * 1e6)
         if self.snapshots is not None:
             self.snapshots.step()
