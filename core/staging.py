@@ -14,6 +14,7 @@ costs no VMM call.
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 
 import numpy as np
 
@@ -80,7 +81,8 @@ class Staging:
         busy = {*table.inflight, *pages.retired, *queued}
         empty = idle[(pages.usable_n[idle] == 0)]
         order = empty[np.argsort(table.released_at[empty], kind="stable")]
-        picked = [s for s in order.tolist() if s not in busy and not any(pages.mapped[s])][:want]
+        free = (s for s in order.tolist() if s not in busy and not any(pages.mapped[s]))
+        picked = list(islice(free, want))                 # stop at the ones wanted
         for slot in picked:
             self.jobs.append([slot, list(keys), 0])
         return len(picked)
