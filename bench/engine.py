@@ -23,7 +23,7 @@ from vattn.bench.engine_profile import load_profiles, profile_markdown, read_sta
 from vattn.conformance.models import PRESETS, decode_traffic_bytes
 from vattn.core.errors import ConfigError
 
-__all__ = ["add_arguments", "run", "load_results", "markdown", "plot", "decode_bandwidth", "hits_line",
+__all__ = ["add_arguments", "run", "load_results", "markdown", "plot", "decode_bandwidth", "hits_line", "work_line",
            "generations_line", "rounds_line", "round_ratios", "variants_line"]
 
 _ORDER = ("decode-heavy", "prefill-heavy", "long-context")
@@ -172,6 +172,8 @@ def _workload_row(name: str, report: dict, hbm_tbps: float | None) -> str:
     host = vmm.get("host_ms") or {"apply": vmm.get("apply_total_ms"),        # SGLang | vLLM
                                    "on_blocks": vmm.get("on_blocks_total_ms")}
     crit = (" + ".join(f"{_fmt(ms, '.1f')} ms {name}" for name, ms in host.items()) +
+            (f" (GPU idle behind it: {vmm['device_wait_ms']:.1f} ms)"
+             if vmm.get("device_wait_ms") is not None else "") +
             f"; {vmm.get('pages_mapped_on_demand', '—')} pages mapped on demand" +
             (f"; {vmm['device_reads']} device reads" if vmm.get("device_reads") is not None else "")
             + (f"; {vmm['page_sets_staged']} page-sets staged ahead" if vmm.get("page_sets_staged") else "")
@@ -215,11 +217,11 @@ def markdown(results: dict, *, hbm_tbps: float | None = None, png: str | None = 
         if gens:
             lines.append(gens)
     for name, report in results["workloads"].items():
-        for line in (variants_line(name, report), hits_line(name, report)):
+        for line in (variants_line(name, report), hits_line(name, report), work_line(name, report)):
             if line:
                 lines.append(line)
     if any(r.get("pooled") or r.get("paired") or hits_line(n, r) or generations_line(n, r) or rounds_line(n, r)
-           or variants_line(n, r)
+           or variants_line(n, r) or work_line(n, r)
            for n, r in results["workloads"].items()):
         lines.append("")
     ident = results["identity"]
@@ -299,6 +301,28 @@ def variants_line(name: str, report: dict) -> str | None:
     return f"- {name}: other modes per generation: {'; '.join(cells)}" if cells else None
 
 
+def work_line(name: str, report: dict) -> str | None:
+    """``- name: vattn's work per generation ...``: host ms of ``apply``, the GPU's idle ms
+    behind it and pages aliased, each generation on its own (from the rows' cumulative
+    ``vattn_each``; ``None`` when no row has them)."""
+    cells = []
+    for mode, row in _rows(report).items():
+        each = [e for e in (row.get("vattn_each") or []) if e]
+        if not each:
+            continue
+        prev, parts = {}, []
+        for e in each:
+            d = {k: (e.get(k) or 0) - (prev.get(k) or 0) for k in ("apply_ms", "device_wait_ms", "pages_aliased")}
+            wait = f"{d['device_wait_ms']:.0f}" if e.get("device_wait_ms") is not None else "—"
+            parts.append(f"{d['apply_ms']:.0f} / {wait} ms, {d['pages_aliased']:,} aliased")
+            prev = e
+        cells.append(f"{mode} " + "; ".join(parts))
+    if not cells:
+        return None
+    return (f"- {name}: vattn's work per generation (host ms of `apply` / the GPU's idle ms behind "
+            f"it, pages aliased): {' | '.join(cells)}")
+
+
 def hits_line(name: str, report: dict) -> str | None:
     """``- name: prefix-cache hits per generation ...`` from the rows' ``cached_tokens_each`` /
     ``prompt_tokens_each`` (vLLM's stages; ``None`` when no mode reports a hit)."""
@@ -315,6 +339,15 @@ def hits_line(name: str, report: dict) -> str | None:
             f"prompt tokens): {'; '.join(cells)}")
 
 
+def _schedule_note(diff) -> str:
+    """The engines' recorded schedules (``schedule_difference``): equal, or where they part."""
+    if diff is False or diff is None:                 # not in the record, or not recorded
+        return ""
+    if not diff:
+        return "; the same schedule, step by step"
+    return f"; schedules differ from step {diff['step']}: {diff['a'][:4]} vs {diff['b'][:4]}"
+
+
 def _identity_text(ident: dict) -> str:
     """One line per comparison (``<mode>_vs_<base>`` keys of the vLLM stage, ``identity`` of SGLang's)."""
     pairs = {k.replace("_vs_", " vs "): v for k, v in ident.items() if "_vs_" in k and isinstance(v, dict)}
@@ -329,7 +362,8 @@ def _identity_text(ident: dict) -> str:
         lines.append(f"- {name}: {'**exact**' if cmp.get('exact') else 'not exact'} (exact-match rate "
                      f"{_fmt(rate, '.3f')}, token match rate {_fmt(cmp.get('token_match_rate'), '.4f')}, "
                      f"near-ties {cmp.get('near_ties')}, mismatches {len(cmp.get('mismatches') or [])}, "
-                     f"worst log-prob gap {_fmt(cmp.get('worst_gap'), '.4f')})")
+                     f"worst log-prob gap {_fmt(cmp.get('worst_gap'), '.4f')}"
+                     f"{_schedule_note(cmp.get('schedule_difference', False))})")
     exact = ident.get("exact_pairs")
     if exact:
         lines.append("- every pair, exact or not: " + ", ".join(

@@ -31,7 +31,10 @@ def test_markdown_rows_ratios_and_failures(tmp_path):
     _write(tmp_path, "identity.json", {"ok": True, "not_degenerate": {"ok": True},
                                        "vattn_vs_stock": {"exact": True, "exact_match_rate": 1.0,
                                                           "token_match_rate": 1.0, "near_ties": 0,
-                                                          "mismatches": 0},
+                                                          "mismatches": 0, "schedule_difference": {}},
+                                       "vattn-exact_vs_stock": {
+                                           "exact": False, "near_ties": 1, "schedule_difference":
+                                           {"step": 3, "a": [[0, 1]], "b": [[0, 1], [1, 9]]}},
                                        "same_path_exact": {"vattn-exact_vs_stock": False}})
     (tmp_path / "env.txt").write_text("NVIDIA H200, 143771 MiB\ntorch 2.11 vllm 0.26.0\n")
     res = engine.load_results(str(tmp_path))
@@ -44,6 +47,9 @@ def test_markdown_rows_ratios_and_failures(tmp_path):
     assert "failed" in prefill
     assert "prefill-heavy / vattn failed: `VattnError: boom`" in md
     assert "vattn-exact vs stock **not exact**" in md
+    assert "0.0000; the same schedule, step by step)" not in md   # worst gap not in the record
+    assert "; the same schedule, step by step)" in md
+    assert "schedules differ from step 3: [[0, 1]] vs [[0, 1], [1, 9]])" in md
     assert "**PASS**" in md and "- vattn vs stock: **exact**" in md and "H200" in res["env"]
     assert lines.index(decode) < lines.index(prefill)
 
@@ -200,6 +206,10 @@ def test_prefix_staging_shows_in_the_critical_path_cell():
     md = engine.markdown({"identity": None, "workloads": {"shared-prefix": report}, "env": ""})
     row = next(l for l in md.splitlines() if l.startswith("| shared-prefix"))
     assert "0 pages mapped on demand; 3680 page-sets staged ahead" in row
+    assert "GPU idle" not in row                              # not recorded: not claimed
+    report["rows"]["vattn"]["vmm_critical_path"]["device_wait_ms"] = 41.25
+    md = engine.markdown({"identity": None, "workloads": {"shared-prefix": report}, "env": ""})
+    assert "on_blocks (GPU idle behind it: 41.2 ms); 0 pages mapped" in md
 
 
 def test_other_modes_are_listed_against_stock_of_their_round():
@@ -221,3 +231,19 @@ def test_one_round_or_uneven_generations_give_no_rounds_line():
     assert engine.rounds_line("x", one) is None
     _round(one, "@2", [1.0], [1.0])                         # a round with one generation only
     assert engine.rounds_line("x", one) is None
+
+
+def test_vattns_work_is_listed_per_generation():
+    report = _throughput("shared-prefix", [128, 4352, 128, 128], {"stock": 2.76, "vattn": 2.77})
+    report["rows"]["vattn"]["vattn_each"] = [
+        {"apply_ms": 900.0, "device_wait_ms": 610.4, "pages_aliased": 32512},
+        {"apply_ms": 960.0, "device_wait_ms": 615.0, "pages_aliased": 32512}]
+    report["rows"]["vattn:s0"] = {"seconds": 2.8, "vattn_each": [
+        {"apply_ms": 5.0, "device_wait_ms": None, "pages_aliased": 0}]}
+    md = engine.markdown({"identity": None, "workloads": {"shared-prefix": report}, "env": ""})
+    assert ("- shared-prefix: vattn's work per generation (host ms of `apply` / the GPU's idle ms "
+            "behind it, pages aliased): vattn 900 / 610 ms, 32,512 aliased; 60 / 5 ms, 0 aliased"
+            " | vattn:s0 5 / — ms, 0 aliased") in md
+    del report["rows"]["vattn"]["vattn_each"], report["rows"]["vattn:s0"]
+    assert "work per generation" not in engine.markdown(
+        {"identity": None, "workloads": {"shared-prefix": report}, "env": ""})

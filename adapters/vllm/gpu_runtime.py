@@ -24,6 +24,7 @@ import torch
 from vattn.core import KVCacheConfig, VirtualKVCache, snapshots
 from vattn.core.layout import cache_layout_row
 from vattn.core.config import DRIVER_RETRIES_ENV, driver_retries
+from vattn.core.device_wait import DeviceWait
 from vattn.core.errors import ConfigError, DriverRetry, VattnError
 from vattn.core.metrics import Histogram
 from vattn.core.requests import RequestSlots
@@ -104,6 +105,8 @@ class GpuRuntime:
         self._bursts = PrefixBursts()          # which prefixes to stage (stage_prefixes)
         self._kv: dict[int, torch.Tensor] = {}
         self.step_us = Histogram()             # host time of apply() (ensure + upload) per step
+        #: device idle time behind apply() per step: the part of step_us the GPU waited for
+        self.device_wait = DeviceWait(config.torch_device.type == "cuda")
         self.blocks_us = Histogram()           # host time of on_blocks() (incl. acquire) per call
         # every slot starts with an even share of the pool mapped: vLLM hands out blocks of a
         # pool it sized up front, so mapping it now takes the VMM calls off the step's path;
@@ -161,6 +164,7 @@ class GpuRuntime:
             and vattn's page pool disagree (a bug), not memory pressure.
         """
         start = time.perf_counter()
+        self.device_wait.begin()
         stage: list[tuple[list, int]] = []     # (prefix blocks, idle copies wanted)
         if self._binds:
             # new requests come before running ones here (vLLM adds them first), but a new one
@@ -193,6 +197,7 @@ class GpuRuntime:
         self.tables.upload()
         for keys, copies in stage:                    # queued for the map-ahead worker
             self.cache.stage_prefix(keys, copies)
+        self.device_wait.end()
         self.step_us.observe((time.perf_counter() - start) * 1e6)
         if self.snapshots is not None:
             self.snapshots.step()
@@ -233,6 +238,7 @@ class GpuRuntime:
         """Core metrics plus this adapter's step timing and the layout's worst-case waste."""
         return self.cache.metrics() | {
             "apply_step_us": self.step_us.as_dict(), "on_blocks_us": self.blocks_us.as_dict(),
+            "apply_device_wait_us": self.device_wait.collect().as_dict(),
             "prewarmed_pages": self.prewarmed_pages, "init_s": self.init_s,
             "driver_retries": self._retry.retried,
             "slot_upload_waits": self.tables.staging_waits,

@@ -58,6 +58,8 @@ HOST_CALLS = {"vllm": {"apply": "apply_step_us", "on_blocks": "on_blocks_us"},
                          "free": "free_us"}}
 #: time spent inside those calls, broken out (not added to them: ``apply`` runs ``ensure``)
 _INNER_CALLS = {"vllm": {"ensure": "ensure_us", "map_incl_prewarm": "map_page_us"}, "sglang": {}}
+#: the device's idle time behind those calls, per step (recorded by CUDA events; vLLM's runtime)
+_WAIT_CALL = {"vllm": "apply_device_wait_us", "sglang": "-"}
 #: the call made once per decode step, whose p99 the summary gives
 _STEP_CALL = {"vllm": "apply_step_us", "sglang": "alloc_decode_us"}
 #: the core's page events, copied as they are
@@ -79,6 +81,7 @@ def critical_path_summary(m: dict, engine: str) -> dict:
             "inner_ms": {name: total_ms(m.get(key)) for name, key in _INNER_CALLS[engine].items()},
             "step_mean_us": (m.get(_STEP_CALL[engine]) or {}).get("mean_us"),
             "step_p99_us": (m.get(_STEP_CALL[engine]) or {}).get("p99_us"),
+            "device_wait_ms": total_ms(m[_WAIT_CALL[engine]]) if _WAIT_CALL[engine] in m else None,
             "pages_prewarmed": m.get("prewarmed_pages"), "pool_init_s": m.get("init_s"),
             **{key: m.get(key) for key in _COUNTERS}}
 

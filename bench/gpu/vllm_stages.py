@@ -113,6 +113,7 @@ def stage_smoke(args) -> dict:
 def stage_identity(args) -> dict:
     from vattn.conformance.identity import compare
     from vattn.conformance.models import build_model, check_not_degenerate, random_prompts
+    from vattn.conformance.workers.vllm import schedule_difference
     model = build_model(IDENTITY_MODEL, os.path.join(args.models, "identity-8l"), seed=0,
                         dtype="bfloat16", device="cuda")
     free_cuda()
@@ -158,6 +159,9 @@ def stage_identity(args) -> dict:
             report[f"{mode}_vs_{base}"] = {k: cmp[k] for k in (
                 "ok", "exact", "exact_match_rate", "token_match_rate", "near_ties", "mismatches",
                 "worst_gap", "first_divergence")}
+            # the same steps with the same tokens (in-process engines): {} equal, None unknown
+            report[f"{mode}_vs_{base}"]["schedule_difference"] = schedule_difference(
+                results[base].extra.get("schedule"), results[mode].extra.get("schedule"))
             report["ok"] &= cmp["ok"]
             if (base, mode) in same_path:
                 report["same_path_exact"][f"{mode}_vs_{base}"] = cmp["exact"]
@@ -214,6 +218,7 @@ def stage_throughput(args) -> dict:
                 "seconds_each": res.extra.get("seconds_each"),
                 "cached_tokens_each": res.extra.get("cached_tokens_each"),
                 "prompt_tokens_each": [res.num_prompt_tokens] * len(res.extra.get("cached_tokens_each") or []),
+                "vattn_each": res.extra.get("vattn_each"),
                 "jit_during_inference": jit_during_inference(runner.log_path(mode))}
         row |= _memory_columns(mode, res.extra.get("vattn_metrics"), plen, new)
     report["pooled"] = pool_engines(report["rows"])   # MODE@N re-runs: every generation pooled

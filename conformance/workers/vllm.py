@@ -13,7 +13,8 @@ import time
 
 from . import main as _main
 
-__all__ = ["engine_kwargs", "generate", "worker_metrics", "main"]
+__all__ = ["engine_kwargs", "generate", "worker_metrics", "schedule_difference",
+           "generation_counters", "main"]
 
 STOCK_BLOCK_SIZE = 16   # the paged baseline of the design notes
 
@@ -80,12 +81,17 @@ def generate(spec: dict) -> dict:
                             detokenize=False, logprobs=spec["logprobs"] or None)
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)  # warm-up
-    times, cached = [], []
+    steps = _schedule_recorder(llm)
+    times, cached, each = [], [], []
     for _ in range(max(1, int(spec.get("repeats", 1)))):   # the same batch again: run-to-run spread
+        if steps is not None:
+            steps.clear()                                   # the last run's schedule is kept
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
         cached.append(sum(o.num_cached_tokens or 0 for o in outs))   # prefix-cache hits
+        if os.environ.get("VATTN_VLLM") == "1":
+            each.append(generation_counters(_metrics(llm)))
     seconds = sorted(times)[(len(times) - 1) // 2]          # the median (lower one of an even count)
     if spec.get("profile_dir"):    # once more, profiled (untimed): the kernel table of a step window
         llm.start_profile()
@@ -106,8 +112,73 @@ def generate(spec: dict) -> dict:
                        "seconds_each": [round(t, 4) for t in times], "cached_tokens_each": cached,
                        # per request, the prompt tokens vLLM's prefix cache served (None: not reported)
                        "num_cached_tokens": [o.num_cached_tokens for o in outs],
+                       "schedule": _by_prompt(steps, outs),
+                       # vattn's counters after each generation (cumulative; see generation_counters)
+                       "vattn_each": each or None,
                        "engine_kwargs": {k: v for k, v in engine_kwargs(spec).items() if k != "model"},
                        "vattn_metrics": _metrics(llm)})
+
+
+#: what :func:`generation_counters` keeps of the runtime's metrics: name -> (key, histogram?)
+_EACH = {"apply_ms": ("apply_step_us", True), "device_wait_ms": ("apply_device_wait_us", True),
+         "pages_aliased": ("pages_aliased", False), "map_calls": ("map_calls", False),
+         "unmap_calls": ("unmap_calls", False), "page_sets_staged": ("page_sets_staged", False)}
+
+
+def generation_counters(metrics: dict | None) -> dict | None:
+    """The few cumulative numbers that tell one generation from the next (host ms of ``apply``,
+    the GPU's idle ms behind it, pages aliased, driver calls); ``None`` without metrics."""
+    if not metrics or "error" in metrics:
+        return None
+    out = {}
+    for name, (key, hist) in _EACH.items():
+        value = metrics.get(key)
+        if hist and isinstance(value, dict):
+            value = round(value.get("mean_us", 0) * value.get("count", 0) / 1e3, 2)
+        out[name] = value
+    return out
+
+
+def _schedule_recorder(llm) -> list | None:
+    """Record the engine core's schedule, one ``[(request id, tokens), ...]`` per step, when the
+    engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); ``None`` otherwise.
+    Two modes that batch the same tokens in the same steps run the same GEMM shapes, so their
+    outputs may be compared bit for bit; a difference here explains a near-tie there."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is None or not callable(getattr(scheduler, "schedule", None)):
+        return None
+    steps: list = []
+    original = scheduler.schedule
+
+    def schedule(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if out.num_scheduled_tokens:
+            steps.append(sorted(out.num_scheduled_tokens.items()))
+        return out
+    scheduler.schedule = schedule     # this engine's instance only
+    return steps
+
+
+def _by_prompt(steps: list | None, outs) -> list | None:
+    """``steps`` with request ids replaced by the prompt's index (ids differ between engines)."""
+    if steps is None:
+        return None
+    index = {o.request_id: i for i, o in enumerate(outs)}
+    return [sorted((index.get(rid, -1), n) for rid, n in step) for step in steps]
+
+
+def schedule_difference(a: list | None, b: list | None) -> dict | None:
+    """Where two recorded schedules first differ: ``{"step", "a", "b"}``; ``{}`` when equal;
+    ``None`` when either was not recorded."""
+    if a is None or b is None:
+        return None
+    for step, (x, y) in enumerate(zip(a, b)):
+        if [list(e) for e in x] != [list(e) for e in y]:
+            return {"step": step, "a": x, "b": y}
+    if len(a) != len(b):
+        return {"step": min(len(a), len(b)), "a": a[len(b):][:1], "b": b[len(a):][:1]}
+    return {}
 
 
 def worker_metrics(worker=None) -> dict:

@@ -71,3 +71,32 @@ def test_divergence_logprobs_filled_from_runner():
     base.logprobs[0][1], cand.logprobs[0][1] = {2: -0.7}, {9: -0.7}
     fill_divergence_logprobs(far, [[11, 12], [13]], {"stock": base, "vattn": cand}, "stock")
     assert not compare(base, cand, max_gap=0.1).ok
+
+
+def test_schedule_difference_finds_the_first_differing_step():
+    """Two engines' recorded schedules (``[(prompt index, tokens), ...]`` per step): equal ones
+    give ``{}``, the first step that batches other tokens is named, a missing record is unknown."""
+    from vattn.conformance.workers.vllm import _by_prompt, schedule_difference
+
+    class Out:
+        def __init__(self, rid):
+            self.request_id = rid
+
+    a = _by_prompt([[("r7", 300), ("r8", 200)], [("r7", 1), ("r8", 1)]], [Out("r7"), Out("r8")])
+    b = _by_prompt([[("x1", 200), ("x0", 300)], [("x0", 1), ("x1", 1)]], [Out("x0"), Out("x1")])
+    assert a == b == [[(0, 300), (1, 200)], [(0, 1), (1, 1)]]   # ids differ, prompts do not
+    assert schedule_difference(a, b) == {}
+    c = [a[0], [(0, 1)], [(1, 1)]]                               # request 1 decoded a step later
+    assert schedule_difference(a, c) == {"step": 1, "a": a[1], "b": [(0, 1)]}
+    assert schedule_difference(a, a + [[(0, 1)]]) == {"step": 2, "a": [], "b": [[(0, 1)]]}
+    assert schedule_difference(a, None) is None
+
+
+def test_generation_counters_keep_totals_of_histograms_and_counts():
+    from vattn.conformance.workers.vllm import generation_counters
+    m = {"apply_step_us": {"count": 4, "mean_us": 250.0}, "apply_device_wait_us": {"count": 4, "mean_us": 50.0},
+         "pages_aliased": 64, "map_calls": 80, "unmap_calls": 3, "page_sets_staged": 0, "other": 1}
+    assert generation_counters(m) == {"apply_ms": 1.0, "device_wait_ms": 0.2, "pages_aliased": 64,
+                                      "map_calls": 80, "unmap_calls": 3, "page_sets_staged": 0}
+    assert generation_counters({"error": "rpc failed"}) is None and generation_counters(None) is None
+    assert generation_counters({"pages_aliased": 1})["device_wait_ms"] is None   # not recorded

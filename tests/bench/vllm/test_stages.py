@@ -74,7 +74,10 @@ def test_identity_report_compares_each_mode_with_stock_and_vattn_with_the_ceilin
         assert runner.modes == ("stock", "vattn-exact", "vattn", "ceiling")
         seen_env.append(runner.engine_env)
         rows = {"stock": base, "vattn-exact": base, "vattn": tied, "ceiling": tied}
-        return {m: RunResult(r, logprobs_of[m], 1.0, 10, 24, {"vattn_metrics": {"m": m}})
+        schedule = {m: [[(0, 6), (1, 6)], [(0, 1), (1, 1)]] for m in rows}
+        schedule["ceiling"] = [[(0, 6)], [(0, 1), (1, 6)]]    # prompt 1 admitted a step later
+        return {m: RunResult(r, logprobs_of[m], 1.0, 10, 24, {"vattn_metrics": {"m": m},
+                                                               "schedule": schedule[m]})
                 for m, r in rows.items()}, {}
     logprobs_of = {m: logprobs(r) for m, r in {"stock": base, "vattn-exact": base, "vattn": tied,
                                                 "ceiling": tied}.items()}
@@ -95,6 +98,9 @@ def test_identity_report_compares_each_mode_with_stock_and_vattn_with_the_ceilin
                                      "ceiling_vs_stock": False, "vattn_vs_vattn-exact": False,
                                      "ceiling_vs_vattn-exact": False, "ceiling_vs_vattn": True}
     assert report["inproc"] and seen_env == [{"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}]
+    assert report["vattn_vs_stock"]["schedule_difference"] == {}
+    assert report["ceiling_vs_stock"]["schedule_difference"] == {
+        "step": 0, "a": [(0, 6), (1, 6)], "b": [(0, 6)]}
 
 
 def test_jit_during_inference_reads_vllms_monitor_lines(tmp_path):

@@ -15,6 +15,13 @@ def tiny_model(tmp_path_factory):
     return build_model("tiny", str(tmp_path_factory.mktemp("tiny")), seed=3)
 
 
+def _same_schedule(stock, vattn):
+    """vattn's engine core batched the same tokens in the same steps as stock's."""
+    from vattn.conformance.workers.vllm import schedule_difference
+    assert stock.extra["schedule"], "the in-process engine's schedule was not recorded"
+    assert schedule_difference(stock.extra["schedule"], vattn.extra["schedule"]) == {}
+
+
 def _prompts(n=7, seed=11):
     rng = random.Random(seed)
     return [[rng.randrange(1, 1000) for _ in range(rng.randrange(3, 60))] for _ in range(n)]
@@ -29,6 +36,7 @@ def test_identity_stock_vs_vattn(tiny_model):
     assert not stock.extra["vattn"] and vattn.extra["vattn"]
     metrics = vattn.extra["vattn_metrics"]
     assert metrics["pages_mapped"] > 0 and metrics["warm_hits"] > 0, metrics
+    _same_schedule(stock, vattn)
     _assert_identical(stock, vattn, 16)
 
 
@@ -73,6 +81,11 @@ def test_identity_with_prefix_caching_on_both_sides(tiny_model):
     assert metrics["prefix_hits"] == sum(cached) // BLOCK, (metrics, cached)
     assert metrics["prefix_hits"] > 0 and metrics["pages_aliased"] > 0, metrics
     assert metrics["keys_bound"] > 0 and metrics["warm_hits"] > 0, metrics
+    # the per-generation counters are the runtime's own, read after the generation
+    assert stock.extra["vattn_each"] is None
+    (each,) = vattn.extra["vattn_each"]
+    assert each["pages_aliased"] == metrics["pages_aliased"] and each["map_calls"] == metrics["map_calls"]
+    _same_schedule(stock, vattn)
     _assert_identical(stock, vattn, 12)
 
 
@@ -97,6 +110,7 @@ def test_identity_with_hits_that_end_inside_vattns_block(tiny_model):
     metrics = vattn.extra["vattn_metrics"]
     assert metrics["blocks_copied"] == len(inside), (metrics, cached)
     assert metrics["prefix_hits"] == sum(c // (2 * BLOCK) for c in cached), (metrics, cached)
+    _same_schedule(stock, vattn)
     _assert_identical(stock, vattn, 12)
 
 

@@ -1,0 +1,52 @@
+"""How long the device sat idle behind a host section: the part of vattn's host work that a
+step actually waited for, as opposed to host time hidden behind kernels still running.
+
+An event recorded when the section starts completes when the device has finished everything
+queued before it (at once, if it was already idle); one recorded when the section ends
+completes right after. The time between the two on the device is the idle time the section
+caused (plus whatever the section queued itself, e.g. copies): about 0 while the device was
+still busy with the previous step, the section's whole host time when it was idle throughout.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .metrics import Histogram
+
+__all__ = ["DeviceWait"]
+
+
+class DeviceWait:
+    """Device idle time behind :meth:`begin` ... :meth:`end` sections, per section, in a
+    :class:`Histogram` (µs). ``enabled=False`` (a host run) records nothing. The events are
+    read once complete, never waited for (:meth:`collect`)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.hist = Histogram()
+        self._open: deque = deque()
+        self._start = None
+
+    def begin(self) -> None:
+        if self.enabled:
+            import torch
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+
+    def end(self) -> None:
+        if self._start is None:
+            return
+        import torch
+        done = torch.cuda.Event(enable_timing=True)
+        done.record()
+        self._open.append((self._start, done))
+        self._start = None
+        self.collect()
+
+    def collect(self) -> Histogram:
+        """Fold in the sections whose events have completed; returns the histogram."""
+        while self._open and self._open[0][1].query():
+            start, done = self._open.popleft()
+            self.hist.observe(start.elapsed_time(done) * 1e3)
+        return self.hist

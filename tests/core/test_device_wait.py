@@ -1,0 +1,70 @@
+"""DeviceWait: the device's idle time behind a host section, read from completed events only."""
+
+import time
+
+import pytest
+
+from vattn.core.device_wait import DeviceWait
+
+
+class _Event:
+    """A stand-in for ``torch.cuda.Event``: done after ``ticks`` queries, times from a table."""
+    clock: list = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at = None
+
+    def record(self):
+        self.at = len(_Event.clock)
+        _Event.clock.append(None)
+
+    def query(self):
+        return _Event.clock[self.at] is not None
+
+    def elapsed_time(self, end):            # ms, as torch reports it
+        return _Event.clock[end.at] - _Event.clock[self.at]
+
+
+def test_disabled_records_nothing():
+    wait = DeviceWait(False)
+    wait.begin()
+    wait.end()
+    assert wait.collect().n == 0
+
+
+def test_sections_are_folded_in_once_their_events_complete(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    _Event.clock = []
+    wait = DeviceWait(True)
+    wait.begin()
+    wait.end()                                  # device still busy: not complete, not read
+    assert wait.collect().n == 0
+    wait.begin()
+    wait.end()
+    _Event.clock[0:2] = [10.0, 10.0]            # the first section: the device never idled
+    assert wait.collect().n == 1 and wait.hist.total_us == 0.0
+    _Event.clock[2:4] = [20.0, 27.5]            # the second: idle 7.5 ms behind it
+    hist = wait.collect()
+    assert hist.n == 2 and hist.total_us == pytest.approx(7500.0) and hist.max_us == pytest.approx(7500.0)
+
+
+@pytest.mark.gpu
+def test_on_cuda_idle_time_is_counted_and_busy_time_is_not():
+    import torch
+    wait = DeviceWait(True)
+    torch.cuda.synchronize()
+    wait.begin()                                # an idle device waits for the whole section
+    time.sleep(0.02)
+    wait.end()
+    torch.cuda.synchronize()
+    idle = wait.collect().total_us
+    assert idle > 15_000, idle
+    torch.cuda._sleep(2_000_000_000)            # ~1 s of device work queued before the section
+    wait.begin()
+    time.sleep(0.02)
+    wait.end()
+    torch.cuda.synchronize()
+    hist = wait.collect()
+    assert hist.n == 2 and hist.total_us - idle < 5_000, hist.as_dict()
