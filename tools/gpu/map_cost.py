@@ -6,7 +6,8 @@ cuMemSetAccess (and of cuMemUnmap), mapping the same physical pages into ``--reg
 
 * ``page``: one 2 MiB allocation per page, one map call per page, one access call per region;
 * ``page-access-each``: the same with one access call per page;
-* ``chunkK``: one K-page allocation mapped whole (one map call per K pages);
+* ``chunkK``: one K-page allocation mapped whole (one map call per K pages), with what creating
+  and releasing such an allocation costs;
 * ``offsetK``: one big allocation mapped K pages at a time at a non-zero offset (whether the
   driver accepts an offset at all is reported as ``offset_supported``);
 * ``partial_supported``: whether the first page alone of a 4-page allocation can be mapped (offset
@@ -103,12 +104,19 @@ def main(argv=None) -> int:
     for k in (int(x) for x in args.chunks.split(",")):
         if args.pages % k:
             continue
+        t = time.perf_counter()
         handles = [drv.create(k * g) for _ in range(args.pages // k)]
+        create_us = (time.perf_counter() - t) * 1e6 / len(handles)
         pieces = [(i * k * g, k * g, h, 0) for i, h in enumerate(handles)]
-        out["cases"].append(_case(drv, cu, name=f"chunk{k}", base=base, span=span,
-                                  regions=args.regions, pieces=pieces, access_each=False))
+        row = _case(drv, cu, name=f"chunk{k}", base=base, span=span, regions=args.regions,
+                    pieces=pieces, access_each=False)
+        t = time.perf_counter()
         for h in handles:
             drv.release(h)
+        # what a physical allocation of k pages costs to make and to give back (cuMemCreate /
+        # cuMemRelease), once per allocation rather than per region
+        out["cases"].append(row | {"create_us_per_allocation": create_us,
+                                   "release_us_per_allocation": (time.perf_counter() - t) * 1e6 / len(handles)})
     big = drv.create(span + g)                            # one page more: every piece at offset >= g
     for k in (int(x) for x in args.chunks.split(",")):
         if args.pages % k:
