@@ -124,7 +124,8 @@ def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], ne
             fences.tick()
     after = rt.cache.metrics()
     spent["calls"] = {k: after.get(k, 0) - before.get(k, 0)
-                      for k in COUNTED + ("pages_mapped_on_demand", "pages_retired", "page_sets_staged")}
+                      for k in COUNTED + ("pages_mapped_on_demand", "pages_retired", "page_sets_staged",
+                                          "packs_built", "pages_packed", "pack_unpacks")}
     spent["calls"]["fence_waits"] = (fences.waits - waits0) if fences is not None else spent["calls"]["fence_waits"]
     spent["calls"]["steps"], spent["calls"]["preemptions"] = steps, preemptions
     return spent

@@ -125,6 +125,9 @@ class Binding:
         st = self.state
         pages = st.pages
         cur = pages.at(slot, index)
+        if cur is not None:                           # a pack maps there: its own pages first
+            pages.unpack_at(slot, index)
+            cur = pages.at(slot, index)
         if cur is None:                               # the next page-set: map it from the pool
             if not self.growth.grow(slot, index + 1, {slot: index + 1}, False)[0]:
                 return None
@@ -180,6 +183,7 @@ class Binding:
             at = self._park(src, sets[0], avoid=to[0])
             if at is None:
                 return False
+        st.pages.unpack_at(*to)                       # written: its own pages, not a pack
         self.space.copy_set(at, to)
         st.counters.blocks_copied += 1
         return True
@@ -290,6 +294,7 @@ class Binding:
             dst = self._spare_place(slot)
         if dst is None:
             return False
+        st.pages.unpack_at(*dst)                      # written: its own pages, not a pack
         self.space.copy_set((slot, index), dst)
         tags = st.pool.tenant
         for src_page, dst_page in zip(cur, st.pages.at(*dst)):

@@ -31,6 +31,7 @@ from .layout import KVLayout, cache_layout_row
 from .loose import LooseSets
 from .mapahead import MapAhead
 from .metrics import Counters, prometheus_collector
+from .packs import Packs
 from .pages import PagePool, budget_pages
 from .paging import SlotPages
 from .reclaim import Reclaim
@@ -88,6 +89,10 @@ class VirtualKVCache:
         self._space.reserve(cfg.dtype)
         self._counters = Counters()
         self._pages = SlotPages(cfg, lay, self.driver, self._pool, self._space.bases, self._counters)
+        if cfg.pack_pages:
+            self._pages.packs = Packs(self.driver, self._pool, size=cfg.pack_sets, budget_pages=cfg.pack_pages,
+                                      num_ranges=lay.num_ranges, page_bytes=lay.page_bytes)
+            self._pages.run_bytes = self._space.run_bytes
         self._keys = BlockKeys(self._pool, self._pages.bound)
         self._cond = threading.Condition(threading.RLock())
         self._state = state = CacheState(cfg, lay, self.driver, self._pool, self._pages, self._keys,
@@ -497,6 +502,8 @@ class VirtualKVCache:
             self._keys.clear()
             for slot in range(self.layout.num_va_slots):
                 self._pages.trim(slot, 0)
+            if self._pages.packs is not None:
+                self._pages.packs.close()
             self._space.free()
             self._pool.close()
             self._close_driver()

@@ -10,7 +10,8 @@ import torch
 from .errors import ConfigError
 
 __all__ = ["KVCacheConfig", "SCRUB_POLICIES", "MAX_AUTO_RANGES", "auto_group_size", "engine_group_size",
-           "env_int", "DRIVER_RETRIES_ENV", "driver_retries", "STAGE_PREFIXES_ENV", "stage_prefixes", "env_flag"]
+           "env_int", "DRIVER_RETRIES_ENV", "driver_retries", "STAGE_PREFIXES_ENV", "stage_prefixes", "env_flag",
+           "PACK_MB_ENV", "pack_mb"]
 
 #: ``group_size=None`` picks the smallest group giving at most this many VA ranges, so a request
 #: wastes at most this many partly filled pages (16 MiB with 2 MiB pages). Measured on the H200
@@ -53,6 +54,13 @@ class KVCacheConfig:
         Tokens beyond each running slot's length that a background worker maps ahead when
         :meth:`~vattn.core.VirtualKVCache.step` is called (default 0: off, no thread; engines
         whose requests grow step by step turn it on).
+    pack_pages : int
+        Physical pages (beyond ``page_budget``) for packs: a prefix run of ``pack_sets``
+        page-sets hit a second time is copied once into one allocation per range, and every later
+        hit maps it with one call per range instead of one per page (the driver charges per
+        allocation). Default 0: off. See docs/shared-prefix-packs.md.
+    pack_sets : int
+        Page-sets per pack (a power of two >= 2, default 8); runs start at multiples of it.
     stream_ordered : bool
         ``True`` when all device work the caller's thread enqueues after
         :meth:`~vattn.core.VirtualKVCache.release` is ordered after that release's fence (one
@@ -75,6 +83,8 @@ class KVCacheConfig:
     device: str | torch.device = "cpu"
     map_ahead_tokens: int = 0
     stream_ordered: bool = False
+    pack_pages: int = 0
+    pack_sets: int = 8
 
     def __post_init__(self):
         if self.group_size is None and isinstance(self.num_layers, int) and self.num_layers > 0:
@@ -98,6 +108,11 @@ class KVCacheConfig:
             raise ConfigError(f"scrub must be one of {SCRUB_POLICIES}, got {self.scrub!r}")
         if not isinstance(self.map_ahead_tokens, int) or self.map_ahead_tokens < 0:
             raise ConfigError(f"map_ahead_tokens must be an int >= 0, got {self.map_ahead_tokens!r}")
+        if not isinstance(self.pack_pages, int) or isinstance(self.pack_pages, bool) or self.pack_pages < 0:
+            raise ConfigError(f"pack_pages must be an int >= 0, got {self.pack_pages!r}")
+        if (not isinstance(self.pack_sets, int) or isinstance(self.pack_sets, bool) or self.pack_sets < 2
+                or self.pack_sets & (self.pack_sets - 1)):
+            raise ConfigError(f"pack_sets must be a power of two >= 2, got {self.pack_sets!r}")
         if not isinstance(self.stream_ordered, bool):
             raise ConfigError(f"stream_ordered must be a bool, got {self.stream_ordered!r}")
         try:
@@ -149,6 +164,15 @@ def driver_retries(retries: int | None = None) -> int:
 #: ``0`` turns off staging shared prefixes into idle slots in the engine adapters (for a
 #: side-by-side measurement of what it saves); ``1``, the default, keeps it on
 STAGE_PREFIXES_ENV = "VATTN_STAGE_PREFIXES"
+
+
+PACK_MB_ENV = "VATTN_PACK_MB"
+
+
+def pack_mb() -> int:
+    """``$VATTN_PACK_MB``: MiB of device memory an engine adapter gives packs (``pack_pages``),
+    on top of the KV pool; default 0 (off)."""
+    return env_int(PACK_MB_ENV, 0, minimum=0)
 
 
 def stage_prefixes() -> bool:

@@ -67,6 +67,9 @@ class Counters:
     blocks_copied: int = 0            # copy_block(): a block's KV copied into another's (copy-on-write)
     page_sets_staged: int = 0         # stage_prefix(): a shared page-set mapped into an idle slot ahead
     warm_hits: int = 0                # acquire() reused a slot with pages mapped
+    packs_built: int = 0              # shared runs copied into one allocation per range (.packs)
+    pages_packed: int = 0             # of pages_aliased, those mapped through a pack (one call a run)
+    pack_unpacks: int = 0             # pack runs unmapped for their own pages (a write or a trim inside)
     map_page_us: Histogram = field(default_factory=Histogram)
     unmap_page_us: Histogram = field(default_factory=Histogram)
     ensure_us: Histogram = field(default_factory=Histogram)

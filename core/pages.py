@@ -64,6 +64,9 @@ class PagePool:
         #: page freed later, while it is pending, goes to ``_fenced`` too)
         self._until: dict[int, object] = {}
         self.refs = np.zeros(num_pages, dtype=np.int32)   # mappings + bound keys; 0 <=> free
+        #: times each page was taken from the free list: a page with the same generation still
+        #: holds the content it held (what a pack copied from it, :mod:`.packs`)
+        self.gen = np.zeros(num_pages, dtype=np.int64)
 
     @property
     def num_pages(self) -> int:
@@ -93,6 +96,7 @@ class PagePool:
             return None
         ids = [self._free.popleft() if self._free else self._fenced.popleft()[0] for _ in range(n)]
         self.refs[ids] = 1
+        self.gen[ids] += 1
         return ids
 
     def ref(self, ids) -> None:

@@ -21,6 +21,7 @@ from .config import KVCacheConfig
 from .errors import DriverError
 from .layout import KVLayout
 from .metrics import Counters
+from .pack_runs import PackRuns
 from .pages import PagePool
 from .retired import RetiredMappings
 
@@ -44,8 +45,8 @@ class PendingSet:
     shared: bool = False  # pages another mapping or key holds (prefix staging): not retagged
 
 
-class SlotPages:
-    """Which pool pages back which slot pages, in every range."""
+class SlotPages(PackRuns):
+    """Which pool pages back which slot pages, in every range (pack runs: :class:`PackRuns`)."""
 
     def __init__(self, cfg: KVCacheConfig, layout: KVLayout, driver, pool: PagePool,
                  bases: list[int], counters: Counters):
@@ -65,6 +66,10 @@ class SlotPages:
         self.holes: set[int] = set()    # slots with a -1 left by a failed replacement (heal())
         #: old mappings of pages reclaimed before their fence completed (unmapped once it has)
         self.retired = RetiredMappings(self)
+        #: shared runs held in one allocation per range (:mod:`.packs`; the cache sets it, with
+        #: ``run_bytes(rng, slot, index, count)``: a ``uint8`` tensor over those positions)
+        self.packs = None
+        self.run_bytes = None
 
     def refresh(self, slot: int) -> None:
         """Recompute ``cap_tokens[slot]`` / ``usable_n[slot]`` / ``head[slot]`` after its pages changed."""
@@ -166,6 +171,13 @@ class SlotPages:
     def _trim_range(self, slot: int, rng: int, num_sets: int, fence=None) -> int:
         pages, freed = self.mapped[slot][rng], 0
         while len(pages) > num_sets:
+            span = self._span(slot, rng, len(pages) - 1)
+            if span is not None:                # a pack's run: unmapped whole, never retired
+                if fence is not None and not fence.done():
+                    self.counters.fence_waits += 1
+                    fence.wait()
+                freed += self._unpack(slot, rng, span, max(num_sets, span), span + self.packs.size)
+                continue                        # its positions from num_sets on are holes now
             if pages[-1] >= 0:                  # -1: a hole left by a failed remap, not mapped
                 if fence is None:
                     self.unmap_at(rng, slot, len(pages) - 1)
@@ -214,12 +226,16 @@ class SlotPages:
         if not 0 <= index <= self.usable(slot) or end > self.layout.pages_per_slot:
             raise ValueError(f"page-sets {index}..{end - 1} of slot {slot} do not start at a mapped or "
                              f"the next one (usable {self.usable(slot)}, at most {self.layout.pages_per_slot})")
+        plan = self._pack_plan(index, sets)
         freed = 0
         try:
             for rng in range(len(self.bases)):
-                freed += self._put_range(slot, rng, index, [pids[rng] for pids in sets])
+                freed += self._put_segments(slot, rng, index, sets, plan)
         finally:
             self.refresh(slot)
+        for start, (per_range, build) in plan.items():
+            if build:
+                self._build(slot, start, per_range)
         return freed
 
     def _put_range(self, slot: int, rng: int, index: int, pids: list[int]) -> int:
@@ -229,6 +245,9 @@ class SlotPages:
         for i, pid in enumerate(pids, start=index):
             if i < len(pages) and pages[i] == pid:      # already there (a hit in place, a retry)
                 continue
+            span = self._span(slot, rng, i)
+            if span is not None:                # a pack's run: its other positions map their own
+                freed += self._unpack(slot, rng, span, i, min(span + self.packs.size, index + len(pids)))
             va = self.va(rng, slot, i)
             old = pages[i] if i < len(pages) else -1
             if old >= 0:
@@ -324,6 +343,10 @@ class SlotPages:
             if self.bound[pid]:                 # shared content: never scrubbed, never retagged
                 continue
             if self.needs_scrub(pid, tenant):
+                span = self._span(slot, rng, i)
+                if span is not None:            # zero the page, not the pack other slots map
+                    self._unpack(slot, rng, span, i, i)
+                    self._restore_access(slot, rng)
                 self.driver.zero(self.va(rng, slot, i), self.layout.page_bytes)
                 self.counters.pages_scrubbed += 1
             self.pool.tenant[pid] = tenant

@@ -69,6 +69,12 @@ class AddressSpace:
             for d, s in zip(view(*dst), view(*src)):
                 d.copy_(s)
 
+    def run_bytes(self, rng: int, slot: int, index: int, count: int) -> torch.Tensor:
+        """``uint8`` bytes of page-sets ``index .. index + count - 1`` of ``slot`` in range ``rng``."""
+        flat = self.elems.view(torch.uint8)
+        start = rng * self.layout.range_bytes + self.layout.page_offset(slot, index)
+        return flat[start:start + count * self.layout.page_bytes]
+
     def drop_views(self) -> None:
         """Forget every view (the memory under them is about to go)."""
         self.views.clear()

@@ -246,6 +246,10 @@ CASES = [
          "map_ahead_tokens must be an int >= 0", lambda: _config(map_ahead_tokens=-1)),
     Case("config-stream-ordered-not-bool", "KVCacheConfig", 'stream_ordered="yes"', ConfigError,
          "stream_ordered must be a bool", lambda: _config(stream_ordered="yes")),
+    Case("config-pack-pages-negative", "KVCacheConfig", "pack_pages=-8", ConfigError,
+         "pack_pages must be an int >= 0", lambda: _config(pack_pages=-8)),
+    Case("config-pack-sets-not-power-of-two", "KVCacheConfig", "pack_sets=6", ConfigError,
+         "pack_sets must be a power of two >= 2", lambda: _config(pack_sets=6)),
     Case("config-device-tpu", "KVCacheConfig", 'device="tpu"', ConfigError,
          "device must be 'cpu' or 'cuda[:N]'", lambda: _config(device="tpu")),
     # -- VirtualKVCache(config), get_driver ----------------------------------------------------------

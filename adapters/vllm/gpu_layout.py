@@ -102,7 +102,7 @@ def block_size_for_vllm(vllm_config) -> int:
 
 def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  num_blocks: int, max_num_reqs: int, max_model_len: int, device: str,
-                 group_size: int | None = None, exact: bool = False) -> KVCacheConfig:
+                 group_size: int | None = None, exact: bool = False, pack_mb: int = 0) -> KVCacheConfig:
     """The :class:`KVCacheConfig` matching vLLM's block accounting.
 
     ``page_budget`` = ``num_blocks`` page-sets: one for the padding slot (vLLM keeps block 0 as
@@ -120,7 +120,9 @@ def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
     exact kernel path. On CUDA the cache is ``stream_ordered``: vLLM writes and reads KV on the
     runner's one stream, where vattn records each release's fence, so under memory pressure a
     released slot's pages go to a growing request without the host waiting for the step in
-    flight (their old mapping is unmapped once it completes).
+    flight (their old mapping is unmapped once it completes). ``pack_mb`` (``$VATTN_PACK_MB``):
+    device memory beyond vLLM's blocks for packs of shared runs of 8 page-sets (one map call per
+    range for a hit on them instead of one per page; docs/shared-prefix-packs.md), 0: off.
     """
     group = group_size_for(num_layers) if group_size is None else group_size
     block = tokens_per_page(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, group_size=group)
@@ -131,7 +133,8 @@ def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
                          dtype=dtype, max_slots=max_num_reqs, max_context=max_context,
                          group_size=group, page_budget=num_blocks * page_set, page_bytes=PAGE_BYTES,
                          device=device, map_ahead_tokens=block,
-                         stream_ordered=torch.device(device).type == "cuda")
+                         stream_ordered=torch.device(device).type == "cuda",
+                         pack_pages=pack_mb * 2**20 // PAGE_BYTES)
 
 
 def check_engine_config(vllm_config) -> None:

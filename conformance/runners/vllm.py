@@ -14,7 +14,8 @@ that run, the stock modes leave it unset so they are untouched stock vLLM. Modes
 ``vattn:gG`` (or ``vattn-exact:gG``) runs the vattn mode with ``G`` layers per VA range
 (``VATTN_GROUP_SIZE=G`` in its engine): layouts compared side by side in one run, e.g.
 ``stock vattn vattn:g2 ceiling``; ``vattn:s0`` runs it with prefix staging off
-(``VATTN_STAGE_PREFIXES=0``), e.g. ``stock vattn vattn:s0`` (variants combine: ``vattn:g2:s0``).
+(``VATTN_STAGE_PREFIXES=0``), e.g. ``stock vattn vattn:s0``; ``vattn:p1024`` with 1,024 MiB for
+packs of shared runs (``VATTN_PACK_MB``; variants combine: ``vattn:g2:s0``).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ class VllmRunner:
         if modes is not None and (not modes or not {_base(m) for m in modes} <= set(offered)):
             raise ConfigError(f"vllm modes must be a non-empty subset of {offered} on {device} "
                               f"(a mode again in a fresh engine as MODE@N, e.g. stock@2; vattn with G layers per "
-                              f"VA range as vattn:gG, with prefix staging off as vattn:s0), got {modes}")
+                              f"VA range as vattn:gG, with prefix staging off as vattn:s0, with N MiB of packs as "
+                              f"vattn:pN), got {modes}")
         self.modes = tuple(modes) if modes is not None else offered
         self.log_dir, self.tag = log_dir, tag
         self.max_num_seqs = max_num_seqs
@@ -118,12 +120,15 @@ class VllmRunner:
         env.pop("VATTN_VLLM", None)
         env.pop("VATTN_VLLM_EXACT", None)
         env.pop("VATTN_STAGE_PREFIXES", None)
+        env.pop("VATTN_PACK_MB", None)
         run = spec.get("run_name", spec["mode"])
         group = _group(run)
         if group is not None:
             env["VATTN_GROUP_SIZE"] = str(group)
         if _staging_off(run):
             env["VATTN_STAGE_PREFIXES"] = "0"
+        if _pack_mb(run) is not None:
+            env["VATTN_PACK_MB"] = str(_pack_mb(run))
         if spec["mode"] in ("vattn", "vattn-exact"):
             env["VATTN_VLLM"] = "1"
             env["VATTN_VLLM_EXACT"] = "1" if spec["mode"] == "vattn-exact" else "0"
@@ -141,7 +146,8 @@ class VllmRunner:
 def _base(mode: str) -> str:
     """``stock@2`` -> ``stock``: the same mode once more, in a fresh engine (run-to-run check);
     ``vattn:g2`` (or ``vattn:g2@2``) -> ``vattn``: the vattn mode with another layer group size;
-    ``vattn:s0`` -> ``vattn`` with prefix staging off (variants combine: ``vattn:g2:s0``)."""
+    ``vattn:s0`` -> ``vattn`` with prefix staging off; ``vattn:p1024`` -> ``vattn`` with 1,024 MiB
+    for packs (variants combine: ``vattn:g2:s0``)."""
     base, _, again = mode.partition("@")
     if again and not again.isdigit():
         return mode
@@ -153,7 +159,7 @@ def _base(mode: str) -> str:
     return base
 
 
-_VARIANT = re.compile(r"g[1-9][0-9]*|s0")
+_VARIANT = re.compile(r"g[1-9][0-9]*|s0|p[0-9]+")
 
 
 def _variants(mode: str) -> list[str]:
@@ -164,6 +170,11 @@ def _variants(mode: str) -> list[str]:
 def _group(mode: str) -> int | None:
     """The layer group size of a ``vattn:gG`` mode, ``None`` for any other mode."""
     return next((int(v[1:]) for v in _variants(mode) if v.startswith("g")), None)
+
+
+def _pack_mb(mode: str) -> int | None:
+    """The pack budget (MiB) of a ``vattn:pN`` mode, ``None`` for any other mode."""
+    return next((int(v[1:]) for v in _variants(mode) if v.startswith("p")), None)
 
 
 def _staging_off(mode: str) -> bool:

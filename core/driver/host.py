@@ -72,6 +72,8 @@ class HostDriver:
         self._live: set[int] = set()         # offsets of created, unreleased pages
         self._reserved: dict[int, int] = {}  # va -> size
         self._mapped: dict[int, int] = {}    # page va -> page offset
+        self._sizes: dict[int, int] = {}     # offset -> bytes, of handles of more than one page
+        self._spans: dict[int, int] = {}     # page va -> first va of its multi-page mapping
         self._access: set[int] = set()       # page vas with read/write access
 
     # -- reservations -------------------------------------------------------------------------
@@ -103,9 +105,16 @@ class HostDriver:
     # -- physical pages -----------------------------------------------------------------------
     @_locked
     def create(self, size: int) -> int:
-        if size != self.granularity:
+        if size <= 0 or size % self.granularity:
             raise DriverError("memfd_create", {"size": size}, "EINVAL",
-                              f"host pages are exactly {self.granularity} bytes")
+                              f"host allocations are positive multiples of {self.granularity} bytes")
+        if size > self.granularity:          # several pages: one new extent, mapped only whole
+            offset = self._fd_size
+            os.ftruncate(self._fd, offset + size)
+            self._fd_size = offset + size
+            self._live.add(offset)
+            self._sizes[offset] = size
+            return offset
         if self._spare:
             offset = self._spare.pop()
         else:
@@ -121,24 +130,29 @@ class HostDriver:
             raise DriverError("release", {"handle": handle}, "EINVAL", "unknown or released page")
         if handle in self._mapped.values():
             raise DriverError("release", {"handle": handle}, "EBUSY", "page is still mapped")
-        _libc.fallocate(self._fd, _FALLOC_PUNCH, handle, self.granularity)  # give memory back
+        size = self._sizes.pop(handle, self.granularity)
+        _libc.fallocate(self._fd, _FALLOC_PUNCH, handle, size)  # give memory back
         self._live.discard(handle)
-        self._spare.append(handle)
+        self._spare.extend(range(handle, handle + size, self.granularity))
 
     # -- mapping --------------------------------------------------------------------------------
     @_locked
     def map(self, va: int, size: int, handle: int) -> None:
         self._check_aligned("mmap", va=va, size=size)
-        if size != self.granularity or handle not in self._live:
+        if handle not in self._live or size != self._sizes.get(handle, self.granularity):
             raise DriverError("mmap", {"va": va, "size": size, "handle": handle}, "EINVAL",
-                              "one live page per map call")
+                              "one live allocation per map call, mapped whole (as CUDA's cuMemMap)")
         self._check_reserved("mmap", va, size)
-        if va in self._mapped:
+        pages = range(va, va + size, self.granularity)
+        if any(p in self._mapped for p in pages):
             raise DriverError("mmap", {"va": va, "size": size}, "EEXIST", "page already mapped")
         got = _libc.mmap(va, size, _PROT_NONE, _MAP_SHARED | _MAP_FIXED, self._fd, handle)
         if got != va:
             raise self._errno("mmap", va=va, size=size, handle=handle)
-        self._mapped[va] = handle
+        for p in pages:
+            self._mapped[p] = handle
+            if size > self.granularity:
+                self._spans[p] = va
 
     @_locked
     def set_access(self, va: int, size: int) -> None:
@@ -154,12 +168,18 @@ class HostDriver:
         pages = self._pages("munmap", va, size)
         if any(p not in self._mapped for p in pages):
             raise DriverError("munmap", {"va": va, "size": size}, "EINVAL", "range not fully mapped")
+        for p in pages:                     # a multi-page allocation is unmapped only whole
+            first = self._spans.get(p)
+            if first is not None and not va <= first < first + self._sizes[self._mapped[p]] <= va + size:
+                raise DriverError("munmap", {"va": va, "size": size}, "EINVAL",
+                                  "part of a multi-page mapping (unmapped only whole)")
         flags = _MAP_PRIVATE | _MAP_ANON | _MAP_NORESERVE | _MAP_FIXED
         if _libc.mmap(va, size, _PROT_NONE, flags, -1, 0) != va:
             raise self._errno("mmap", va=va, size=size)
         for p in pages:
             del self._mapped[p]
             self._access.discard(p)
+            self._spans.pop(p, None)
 
     # -- memory access --------------------------------------------------------------------------
     def view(self, va: int, nbytes: int) -> torch.Tensor:
@@ -189,6 +209,7 @@ class HostDriver:
         for va, size in list(self._reserved.items()):
             _libc.munmap(va, size)
         self._reserved.clear(), self._mapped.clear(), self._access.clear(), self._live.clear()
+        self._sizes.clear(), self._spans.clear()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -86,3 +86,40 @@ def test_get_driver_validates_backend_and_device():
         get_driver(torch.device("cuda"), backend="host")
     with pytest.raises(ConfigError, match="cuda backend serves"):
         get_driver("cpu", backend="cuda")
+
+
+def test_host_multi_page_allocation_is_mapped_and_unmapped_only_whole():
+    """As CUDA: an allocation of several pages maps at one address as a whole (no offset, no part),
+    is unmapped whole, and its bytes are the same through every mapping."""
+    from vattn.core.driver.host import HostDriver
+    from vattn.core.errors import DriverError
+    drv = HostDriver(granularity=1 << 16)
+    g = drv.granularity
+    base = drv.reserve(16 * g)
+    try:
+        four = drv.create(4 * g)
+        with pytest.raises(DriverError, match="mapped whole"):
+            drv.map(base, g, four)                       # a part of it
+        drv.map(base, 4 * g, four)
+        drv.map(base + 8 * g, 4 * g, four)               # the same pages at a second address
+        drv.set_access(base, 4 * g)
+        drv.set_access(base + 8 * g, 4 * g)
+        drv.view(base + 2 * g, g).fill_(7)
+        assert bool((drv.view(base + 10 * g, g) == 7).all())
+        with pytest.raises(DriverError, match="only whole"):
+            drv.unmap(base + g, g)
+        with pytest.raises(DriverError, match="still mapped"):
+            drv.release(four)
+        drv.unmap(base, 4 * g)
+        drv.unmap(base + 8 * g, 4 * g)
+        assert not drv.is_mapped(base) and not drv.is_mapped(base + 11 * g)
+        drv.release(four)
+        one = drv.create(g)                              # its pages serve one-page handles again
+        drv.map(base, g, one)
+        drv.unmap(base, g)
+        drv.release(one)
+        with pytest.raises(DriverError, match="multiples"):
+            drv.create(g + 4096)
+    finally:
+        drv.free_va(base, 16 * g)
+        drv.close()

@@ -36,13 +36,15 @@ T = 128                                        # tokens per page-set
 class SharingMachine(RuleBasedStateMachine):
     totals: dict = {}
     stream_ordered = False             # reclaim waits on fences (True: retires, see the lag machine)
+    pack_pages = 0                     # > 0: shared runs of 2 page-sets packed (see PackedMachine)
 
     def __init__(self):
         super().__init__()
         self.cache = make_cache(num_layers=1, group_size=1, split_kv=True, num_kv_heads=1,
                                 head_dim=PAGE // 256, page_bytes=PAGE, page_budget=2 * SETS * PAGE,
                                 max_context=6 * T, max_slots=SLOTS, map_ahead_tokens=T,
-                                stream_ordered=self.stream_ordered, driver=self.make_driver())
+                                stream_ordered=self.stream_ordered, driver=self.make_driver(),
+                                pack_pages=self.pack_pages, pack_sets=2)
         self.cache.prewarm(T)          # as the engines do: loose page-sets mapped in idle slots
         k, v = self.cache.k(0).view(torch.int16), self.cache.v(0).view(torch.int16)
         self.kv = k.as_strided((2, *k.shape), (v.storage_offset() - k.storage_offset(), *k.stride())).numpy()
@@ -61,7 +63,7 @@ class SharingMachine(RuleBasedStateMachine):
     def teardown(self):
         m = self.cache.metrics()
         for name in ("prefix_hits", "pages_aliased", "keys_bound", "fence_waits", "page_sets_moved",
-                     "pages_retired", "page_sets_staged"):
+                     "pages_retired", "page_sets_staged", "packs_built", "pages_packed", "pack_unpacks"):
             SharingMachine.totals[name] = SharingMachine.totals.get(name, 0) + m[name]
         SharingMachine.totals["evicting"] = SharingMachine.totals.get("evicting", 0) + (not self.never_used)
         self.kv = None
@@ -277,3 +279,16 @@ def test_sharing_state_machine():
     assert t["page_sets_moved"] > 10 and t["forgotten"] > 10 and t["claimed"] > 50, t
     assert t["copied"] > 50, t         # copy-on-write of a hit ending inside a block
     assert t["staged"] > 20 and t["page_sets_staged"] > 20, t   # prefixes staged into idle slots
+
+
+class PackedMachine(SharingMachine):
+    """The same engine with packs on: a run hit twice is copied into one allocation per range and
+    mapped from it; every rule (eviction, moves, copy-on-write, staging, forget, reuse) crosses
+    pack runs, and every running request reads its own blocks after each."""
+    pack_pages = 8
+
+
+def test_sharing_state_machine_with_packs():
+    t = run_machine(PackedMachine, steps=120)
+    assert t["packs_built"] > 10 and t["pages_packed"] > 10 and t["pack_unpacks"] > 5, t
+    assert t["prefix_hits"] > 100 and t["page_sets_moved"] > 10 and t["copied"] > 50, t

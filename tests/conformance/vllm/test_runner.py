@@ -89,6 +89,24 @@ def test_runner_group_variant_sets_the_group_size_of_its_engine(monkeypatch):
     assert seen == {None: ("1", "0"), "2": ("1", "0")}   # engine_env wins over this process's
 
 
+def _engine_env(monkeypatch, name: str, modes) -> list:
+    """``$name`` in the engine environment of each of ``modes`` (one vattn run each, stopped
+    before any engine starts), with this process's own ``$name`` set to a value none should see."""
+    from vattn.conformance.runners import vllm as conf
+    seen = []
+
+    def fake_run(cmd, env, timeout_s, log=None):
+        seen.append(env.get(name))
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(process, "run_group", fake_run)
+    monkeypatch.setenv(name, "7")                            # this process's setting is not inherited
+    runner = conf.VllmRunner(device="cuda", modes=tuple(modes), log_dir=None)
+    for mode in runner.modes:
+        with pytest.raises(RuntimeError, match="stop here"):
+            runner.run(mode, "m", [[1, 2]], 1)
+    return seen
+
+
 def test_runner_staging_variant_turns_prefix_staging_off_in_its_engine(monkeypatch):
     from vattn.conformance.runners import vllm as conf
     assert conf._base("vattn:s0") == "vattn" and conf._base("vattn:g2:s0@2") == "vattn"
@@ -98,15 +116,13 @@ def test_runner_staging_variant_turns_prefix_staging_off_in_its_engine(monkeypat
         assert conf._base(bad) == bad
         with pytest.raises(ConfigError, match="vattn:s0"):
             conf.VllmRunner(device="cuda", modes=("stock", bad))
-    seen = {}
+    assert _engine_env(monkeypatch, "VATTN_STAGE_PREFIXES", ("vattn", "vattn:s0")) == [None, "0"]
 
-    def fake_run(cmd, env, timeout_s, log=None):
-        seen[len(seen)] = env.get("VATTN_STAGE_PREFIXES")
-        raise RuntimeError("stop here")
-    monkeypatch.setattr(process, "run_group", fake_run)
-    monkeypatch.setenv("VATTN_STAGE_PREFIXES", "0")          # this process's setting is not inherited
-    runner = conf.VllmRunner(device="cuda", modes=("vattn", "vattn:s0"), log_dir=None)
-    for mode in runner.modes:
-        with pytest.raises(RuntimeError, match="stop here"):
-            runner.run(mode, "m", [[1, 2]], 1)
-    assert seen == {0: None, 1: "0"}
+
+def test_runner_pack_variant_gives_its_engine_a_pack_budget(monkeypatch):
+    from vattn.conformance.runners import vllm as conf
+    assert conf._base("vattn:p1024") == "vattn" and conf._base("vattn:s0:p64@2") == "vattn"
+    assert conf._pack_mb("vattn:p1024") == 1024 and conf._pack_mb("vattn") is None
+    for bad in ("stock:p8", "vattn:p", "vattn:p8:p16", "vattn:px"):
+        assert conf._base(bad) == bad
+    assert _engine_env(monkeypatch, "VATTN_PACK_MB", ("vattn", "vattn:p1024")) == [None, "1024"]

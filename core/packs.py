@@ -1,0 +1,251 @@
+"""Packs: a shared run of page-sets copied once into one multi-page allocation per range.
+
+The driver charges per physical allocation mapped (~30 µs of access grant on an H100 whatever
+its size), and the pool holds one 2 MiB allocation per page, so a prefix hit costs one grant per
+page per request. A pack holds ``size`` page-sets of a hit run (positions ``start ..``, ``start``
+a multiple of ``size``) in one allocation per range; every later region that maps the same run
+maps the pack instead: one call per range. The slot record does not change: each position still
+names the key's own pool page (referenced as a mapping), which keeps that page, and so the
+bytes the pack copied, alive while any region maps the pack. A pack is found by its pages and
+their pool generations (:attr:`~.pages.PagePool.gen`), so a page taken again for other content
+never matches a stale pack. See docs/shared-prefix-packs.md.
+
+Building one: the run's second hit (the first may be a one-off repeat) maps its pages as usual,
+then the pack is mapped at a scratch address and the run copied into it on the current stream
+(ordered after the writes that filled the pages). A scratch area is unmapped when the ring of
+them comes round to it again, after its copy's fence. Not thread-safe: the cache lock
+serialises it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import DriverError
+
+__all__ = ["Pack", "Packs", "SCRATCH_AREAS"]
+
+#: scratch areas (one pack each) a build copies through, reused round robin
+SCRATCH_AREAS = 8
+
+
+@dataclass(eq=False, slots=True)
+class Pack:
+    """``size`` page-sets at positions ``start ..`` in one allocation per range."""
+
+    start: int
+    pids: tuple          # per range: the run's pool pages, in position order
+    gens: tuple          # per range: their pool generations when copied
+    handles: list        # one allocation of ``size`` pages per range
+    users: int = 0       # (slot, range) spans that map it
+    used_at: int = 0     # for dropping the least recently used idle pack
+
+
+class Packs:
+    """The packs of one cache, within ``budget_pages`` pages (0: off).
+
+    Parameters
+    ----------
+    driver, pool
+        The cache's driver and page pool.
+    size : int
+        Page-sets per pack (a power of two >= 2; runs are matched at multiples of it).
+    budget_pages : int
+        Physical pages the packs may hold in all (each pack: ``size`` per range), on top of the
+        pool.
+    num_ranges, page_bytes : int
+        The layout's.
+    """
+
+    def __init__(self, driver, pool, *, size: int, budget_pages: int, num_ranges: int, page_bytes: int):
+        self.driver, self.pool = driver, pool
+        self.size, self.budget, self.num_ranges, self.page_bytes = size, budget_pages, num_ranges, page_bytes
+        self.by_key: dict[tuple, Pack] = {}                     # (start, range 0's pages) -> pack
+        self.live: set[Pack] = set()                            # every pack not released yet
+        self.spans: dict[tuple[int, int], dict[int, Pack]] = {}  # (slot, range) -> {start: pack}
+        self.hits: dict[tuple, int] = {}                        # runs hit without a pack yet
+        self.held = 0                                           # pages in packs
+        self._clock = 0
+        self._scratch: int | None = None                        # VA of the scratch areas
+        self._view = None                                       # uint8 tensor over them
+        self._areas: list[dict] = []                            # per area: mapped VAs, fence, pack
+        self._next_area = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.size >= 2 and self.budget >= self.size * self.num_ranges
+
+    # -- finding ---------------------------------------------------------------------------------
+    def runs(self, index: int, count: int) -> list[int]:
+        """Starts of the whole packable runs inside positions ``index .. index + count - 1``."""
+        if not self.enabled:
+            return []
+        first = -(-index // self.size) * self.size
+        return list(range(first, index + count - self.size + 1, self.size))
+
+    def lookup(self, start: int, per_range: tuple) -> Pack | None:
+        """The pack holding the run ``per_range`` (per range, its pages) at ``start``, if its
+        pages still hold what it copied; a stale idle one is released."""
+        pack = self.by_key.get((start, per_range[0]))
+        if pack is None:
+            return None
+        if pack.pids == per_range and pack.gens == self._gens(per_range):
+            self._clock += 1
+            pack.used_at = self._clock
+            return pack
+        del self.by_key[(start, per_range[0])]
+        if not pack.users:
+            self._release(pack)
+        return None
+
+    def second_hit(self, start: int, per_range: tuple) -> bool:
+        """Count a hit of a run no pack holds; True from its second hit on (worth a pack)."""
+        key = (start, per_range, self._gens(per_range))
+        if len(self.hits) > 1 << 16:                            # bounded: forget old runs
+            self.hits.clear()
+        self.hits[key] = self.hits.get(key, 0) + 1
+        return self.hits[key] >= 2
+
+    def _gens(self, per_range: tuple) -> tuple:
+        return tuple(tuple(self.pool.gen[list(pids)].tolist()) for pids in per_range)
+
+    # -- building ---------------------------------------------------------------------------------
+    def create(self, start: int, per_range: tuple) -> Pack | None:
+        """A new pack for the run (allocations made, nothing copied yet), dropping least recently
+        used idle packs for room; ``None`` when the budget is held by packs in use."""
+        need = self.size * self.num_ranges
+        while self.held + need > self.budget:
+            idle = [p for p in self.live if not p.users]
+            if not idle:
+                return None
+            self._release(min(idle, key=lambda p: p.used_at))
+        handles: list = []
+        try:
+            for _ in range(self.num_ranges):
+                handles.append(self.driver.create(self.size * self.page_bytes))
+        except DriverError:
+            for handle in handles:
+                self.driver.release(handle)
+            raise
+        self._clock += 1
+        pack = Pack(start, per_range, self._gens(per_range), handles, used_at=self._clock)
+        old = self.by_key.get((start, per_range[0]))
+        if old is not None and not old.users:
+            self._release(old)
+        self.by_key[(start, per_range[0])] = pack
+        self.live.add(pack)
+        self.held += need
+        self.hits.pop((start, per_range, pack.gens), None)
+        return pack
+
+    def fill(self, pack: Pack, source) -> None:
+        """Copy the run into ``pack``: per range, from ``source(rng)`` (a ``uint8`` tensor over
+        where a slot maps the run's pages now) through a scratch mapping of the pack, on the
+        current stream. The scratch areas are a ring (:data:`SCRATCH_AREAS`): an area is unmapped
+        when it comes round again, after its copy's fence, so builds in one step never wait. A
+        failed call leaves the pack unfilled: the caller drops it (:meth:`discard`)."""
+        nbytes = self.size * self.page_bytes
+        if self._scratch is None:
+            total = SCRATCH_AREAS * self.num_ranges * nbytes
+            self._scratch = self.driver.reserve(total)
+            self._view = self.driver.view(self._scratch, total)
+            self._areas = [{"mapped": [], "fence": None, "pack": None} for _ in range(SCRATCH_AREAS)]
+        index = self._next_area
+        self._next_area = (index + 1) % SCRATCH_AREAS
+        area = self._areas[index]
+        self._clear_area(area)
+        area["pack"] = pack
+        base = index * self.num_ranges * nbytes
+        for rng, handle in enumerate(pack.handles):
+            va = self._scratch + base + rng * nbytes
+            self.driver.map(va, nbytes, handle)
+            area["mapped"].append(va)
+            self.driver.set_access(va, nbytes)
+            self._view[base + rng * nbytes:base + (rng + 1) * nbytes].copy_(source(rng))
+            area["fence"] = self.driver.record_fence()
+
+    def discard(self, pack: Pack) -> None:
+        """Forget a pack nothing maps (a failed fill)."""
+        if self.by_key.get((pack.start, pack.pids[0])) is pack:
+            del self.by_key[(pack.start, pack.pids[0])]
+        self._release(pack)
+
+    def scratch_pages(self) -> set[int]:
+        """Page addresses the scratch areas map now (for the driver checks of the tests)."""
+        nbytes = self.size * self.page_bytes
+        return {va + i * self.page_bytes for area in self._areas for va in area["mapped"]
+                for i in range(nbytes // self.page_bytes)}
+
+    def _clear_area(self, area: dict) -> None:
+        """Unmap an area's scratch mappings once its copy completed (waiting for it if needed)."""
+        if not area["mapped"]:
+            return
+        if area["fence"] is not None and not area["fence"].done():
+            area["fence"].wait()
+        nbytes = self.size * self.page_bytes
+        while area["mapped"]:
+            self.driver.unmap(area["mapped"][-1], nbytes)
+            area["mapped"].pop()
+        area["pack"] = None
+
+    def _release(self, pack: Pack) -> None:
+        for area in self._areas:                # a scratch mapping of it: gone first
+            if area["pack"] is pack:
+                self._clear_area(area)
+        for handle in pack.handles:
+            self.driver.release(handle)
+        self.live.discard(pack)
+        self.held -= self.size * self.num_ranges
+
+    # -- spans: where slots map packs --------------------------------------------------------------
+    def span(self, slot: int, rng: int, index: int) -> tuple[int, Pack] | None:
+        """``(start, pack)`` if position ``index`` of ``slot`` in ``rng`` is a pack's."""
+        spans = self.spans.get((slot, rng))
+        if not spans:
+            return None
+        start = index - index % self.size
+        pack = spans.get(start)
+        return None if pack is None else (start, pack)
+
+    def mapped(self, slot: int, rng: int, start: int, pack: Pack) -> None:
+        self.spans.setdefault((slot, rng), {})[start] = pack
+        pack.users += 1
+
+    def unmapped(self, slot: int, rng: int, start: int) -> Pack:
+        spans = self.spans[(slot, rng)]
+        pack = spans.pop(start)
+        if not spans:
+            del self.spans[(slot, rng)]
+        pack.users -= 1
+        if not pack.users and self.by_key.get((pack.start, pack.pids[0])) is not pack:
+            self._release(pack)                 # stale and no longer mapped
+        return pack
+
+    def check(self, mapped: list) -> None:
+        """Every span's positions record the pack's pages; users count the spans (audit)."""
+        users: dict[int, int] = {}
+        for (slot, rng), spans in self.spans.items():
+            for start, pack in spans.items():
+                have = tuple(mapped[slot][rng][start:start + self.size])
+                if have != pack.pids[rng]:
+                    raise AssertionError(f"slot {slot} range {rng}: pack span at {start} records "
+                                         f"{list(have)}, the pack holds {list(pack.pids[rng])}")
+                users[id(pack)] = users.get(id(pack), 0) + 1
+        for pack in self.live:
+            if pack.users != users.get(id(pack), 0):
+                raise AssertionError(f"pack at {pack.start} counts {pack.users} users, "
+                                     f"{users.get(id(pack), 0)} spans map it")
+        if self.held != len(self.live) * self.size * self.num_ranges:
+            raise AssertionError(f"packs hold {self.held} pages by count, {len(self.live)} packs live")
+
+    def close(self) -> None:
+        """Release every pack and the scratch reservation (nothing may map a pack any more)."""
+        for area in self._areas:
+            self._clear_area(area)
+        for pack in list(self.live):
+            self._release(pack)
+        self.by_key.clear()
+        if self._scratch is not None:
+            self._view = None
+            self.driver.free_va(self._scratch, SCRATCH_AREAS * self.num_ranges * self.size * self.page_bytes)
+            self._scratch = None

@@ -1,0 +1,159 @@
+"""Packs: a shared run hit twice is copied into one allocation per range; later hits map it with
+one call per range, read the same bytes, and any write or trim inside it goes to the own pages."""
+
+import pytest
+
+from vattn.core import ConfigError
+from vattn.core.driver import FaultInjector
+from vattn.core.driver.host import HostDriver
+from vattn.core.errors import InjectedFault
+
+from tests.core._util import SMALL_PAGE, make_cache
+from tests.core.test_sharing import T, fill, same
+
+
+def _cache(driver=None, **over):
+    cfg = dict(pack_pages=16, pack_sets=2, max_slots=8, max_context=4 * T, page_budget=160 * SMALL_PAGE)
+    cfg.update(over)
+    return make_cache(driver=driver, **cfg)
+
+
+def _hit(cache, keys, value=None):
+    slot = cache.acquire()
+    assert cache.bind(slot, 0, list(keys), hits=len(keys) if value is None else 0)
+    if value is not None:
+        cache.ensure({slot: len(keys) * T})
+        fill(cache, slot, 0, len(keys) * T, value)
+    return slot
+
+
+def _packed(cache, keys, value):
+    """Write ``keys`` (``value``) and hit them twice: the second hit builds their packs."""
+    _hit(cache, keys, value=value)
+    for _ in range(2):
+        _hit(cache, keys)
+
+
+def test_the_third_hit_maps_a_pack_with_one_call_per_range_and_reads_the_same_bytes():
+    with _cache() as cache:
+        ranges = cache.layout.num_ranges
+        owner = _hit(cache, ["a0", "a1", "a2", "a3"], value=7)
+        first = _hit(cache, ["a0", "a1", "a2", "a3"])        # one-off so far: page by page
+        assert cache.metrics()["packs_built"] == 0
+        second = _hit(cache, ["a0", "a1", "a2", "a3"])       # hit again: copied into 2 packs
+        assert cache.metrics()["packs_built"] == 2 and cache.metrics()["pages_packed"] == 0
+        before = cache.metrics()["map_calls"]
+        third = _hit(cache, ["a0", "a1", "a2", "a3"])
+        m = cache.metrics()
+        assert m["map_calls"] - before == 2 * ranges          # two packs, one call per range each
+        assert m["pages_packed"] == 4 * ranges
+        for slot in (owner, first, second, third):
+            assert same(cache, slot, 0, 4 * T, 7)
+        assert cache._pages.at(third, 1) == cache._pages.at(owner, 1)   # the record: the own pages
+        cache.audit()
+
+
+def test_writes_inside_a_packed_run_go_to_the_own_pages_and_leave_the_pack():
+    with _cache() as cache:
+        _packed(cache, ["b0", "b1"], 5)                     # the second hit builds the pack
+        reader = _hit(cache, ["b0", "b1"])                   # and mapped here
+        writer = _hit(cache, ["b0", "b1"])
+        assert cache.metrics()["pages_packed"] == 2 * 2 * cache.layout.num_ranges
+        cache.release(writer)
+        again = cache.acquire(prefix=["b0", "b1"])           # the idle slot holding them: the writer's
+        assert again == writer
+        assert cache.bind(again, 0, ["c0", "c1"])            # fresh blocks where the pack was
+        fill(cache, again, 0, 2 * T, 9)
+        assert cache.metrics()["pack_unpacks"] >= 1
+        assert same(cache, again, 0, 2 * T, 9) and same(cache, reader, 0, 2 * T, 5)
+        late = _hit(cache, ["b0", "b1"])                     # the pack still holds b's bytes
+        assert same(cache, late, 0, 2 * T, 5)
+        cache.audit()
+
+
+def test_a_trim_inside_a_pack_keeps_the_positions_below_it():
+    with _cache() as cache:
+        _packed(cache, ["d0", "d1"], 3)
+        slot = _hit(cache, ["d0", "d1"])
+        assert cache._pages.packs.span(slot, 0, 1) is not None
+        with cache._cond:
+            cache._pages.trim(slot, 1)                       # the pack's second position goes
+        assert cache._pages.packs.span(slot, 0, 0) is None and cache._pages.usable(slot) == 1
+        assert same(cache, slot, 0, T, 3)
+        cache.audit()
+
+
+def test_a_page_taken_again_never_matches_an_old_pack():
+    with _cache() as cache:
+        _packed(cache, ["e0", "e1"], 4)
+        packs = cache._pages.packs
+        (pack,) = packs.live
+        pool = cache._pool
+        pool.gen[pack.pids[0][0]] += 1                       # as if freed and taken for new content
+        assert packs.lookup(pack.start, pack.pids) is None
+        assert not packs.live and packs.held == 0            # stale and unused: released
+
+
+def _faulty(keys, value):
+    """A cache over a fault-injecting host driver whose ``keys`` were written and hit once."""
+    drv = FaultInjector(HostDriver(granularity=SMALL_PAGE))
+    cache = _cache(driver=drv)
+    _hit(cache, keys, value=value)
+    _hit(cache, keys)
+    return drv, cache
+
+
+def test_a_failed_pack_map_leaves_an_exact_record_and_the_bind_can_be_retried():
+    drv, cache = _faulty(["f0", "f1"], 6)
+    with cache:
+        _hit(cache, ["f0", "f1"])                            # builds the pack
+        slot = cache.acquire()
+        drv.arm("map", drv.calls["map"] + 1)                 # the pack's map call
+        with pytest.raises(InjectedFault):
+            cache.bind(slot, 0, ["f0", "f1"], hits=2)
+        cache.audit()
+        assert cache.bind(slot, 0, ["f0", "f1"], hits=2)
+        assert same(cache, slot, 0, 2 * T, 6)
+        cache.audit()
+
+
+def test_a_failed_pack_build_is_skipped():
+    drv, cache = _faulty(["g0", "g1"], 2)
+    with cache:
+        drv.arm("create", drv.calls["create"] + 1)            # the pack's first allocation
+        slot = _hit(cache, ["g0", "g1"])                     # mapped page by page, no pack
+        m = cache.metrics()
+        assert m["packs_built"] == 0 and m["driver_faults"] == 1
+        assert same(cache, slot, 0, 2 * T, 2)
+        cache.audit()
+
+
+@pytest.mark.parametrize("over, match", [({"pack_pages": -1}, "pack_pages"), ({"pack_sets": 3}, "pack_sets"),
+                                         ({"pack_sets": 1}, "pack_sets"), ({"pack_pages": True}, "pack_pages")])
+def test_pack_config_is_checked(over, match):
+    with pytest.raises(ConfigError, match=match):
+        make_cache(**over)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_pack_reads_the_same_bytes_and_a_write_beside_it_stays_private():
+    """The CUDA driver's side: K-page allocations mapped whole, the copy on the stream."""
+    import torch
+    with make_cache("cuda", pack_pages=64, pack_sets=2, max_slots=6, max_context=2048,
+                    page_budget=64 * (2 << 20)) as cache:
+        t = cache.layout.tokens_for(1)
+        keys = ["h0", "h1"]
+        owner = cache.acquire()
+        assert cache.bind(owner, 0, keys)
+        cache.ensure({owner: 2 * t})
+        fill(cache, owner, 0, 2 * t, 8)
+        slots = [_hit(cache, keys) for _ in range(3)]
+        assert cache.metrics()["packs_built"] == 1 and cache.metrics()["pages_packed"] > 0
+        torch.cuda.synchronize()
+        for slot in [owner, *slots]:
+            assert same(cache, slot, 0, 2 * t, 8)
+        assert cache.bind(slots[-1], 2, ["own"])
+        cache.ensure({slots[-1]: 3 * t})
+        fill(cache, slots[-1], 2 * t, 3 * t, 1)
+        assert same(cache, owner, 0, 2 * t, 8) and same(cache, slots[-1], 2 * t, 3 * t, 1)
+        cache.audit()
