@@ -94,6 +94,8 @@ class VirtualKVCache:
                                       num_ranges=lay.num_ranges, page_bytes=lay.page_bytes)
             self._pages.run_bytes = self._space.run_bytes
         self._keys = BlockKeys(self._pool, self._pages.bound)
+        if self._pages.packs is not None:
+            self._keys.on_bind = self._pages.packs.fresh.update
         self._cond = threading.Condition(threading.RLock())
         self._state = state = CacheState(cfg, lay, self.driver, self._pool, self._pages, self._keys,
                                          self._counters, self._cond)
@@ -230,7 +232,10 @@ class VirtualKVCache:
         with self._cond:
             self._check_open()
             check_batch(slots, lens, self._state.slots.active, self.config)
+            self._pages.fill_packs()
             failed = self._growth.ensure(slots, lens)
+            if self._pages.packs is not None:
+                self._pages.packs.next_step()   # the engine's step is prepared: its forward next
         self._counters.ensure_us.observe((time.perf_counter() - start) * 1e6)
         return failed
 

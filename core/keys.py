@@ -40,6 +40,8 @@ class BlockKeys:
         self.home: dict[Hashable, tuple[int, int]] = {}
         #: the first page of a bound page-set -> its key
         self.key_of: dict[int, Hashable] = {}
+        #: called with the pages of every page-set bound (packs: content written this step)
+        self.on_bind = None
 
     def __len__(self) -> int:
         return len(self.pids)
@@ -54,6 +56,8 @@ class BlockKeys:
         self.pids[key] = pids
         self.home[key] = home
         self.key_of[pids[0]] = key
+        if self.on_bind is not None:
+            self.on_bind(pids)
 
     def drop(self, key) -> int:
         """Forget ``key``; its pages lose the key's reference. Returns the pages freed (those no

@@ -33,7 +33,8 @@ class PackRuns:
             per_range = tuple(tuple(pids[rng] for pids in run) for rng in range(len(self.bases)))
             pack = self.packs.lookup(start, per_range)
             if pack is not None:
-                plan[start] = (pack, False)
+                if pack.ready:
+                    plan[start] = (pack, False)
             elif self.packs.second_hit(start, per_range):
                 plan[start] = (per_range, True)
         return plan
@@ -173,8 +174,9 @@ class PackRuns:
                 self._restore_access(slot, rng)
 
     def _build(self, slot: int, start: int, per_range: tuple) -> None:
-        """Copy the run just mapped page by page at ``start ..`` of ``slot`` into a new pack
-        (best effort: no room, or a failed driver call, leaves it unbuilt)."""
+        """Create a pack for the run just mapped page by page at ``start ..`` of ``slot``; it is
+        filled from there at a later step (:meth:`fill_packs`). Best effort: no room, or a failed
+        driver call, leaves it unbuilt."""
         packs, size = self.packs, self.packs.size
         if any(self.at(slot, i) is None for i in range(start, start + size)):
             return                              # not all mapped (a failed call part way)
@@ -184,6 +186,27 @@ class PackRuns:
             self.counters.driver_faults += 1
             return
         if pack is None:
+            return
+        if packs.written(per_range):            # written by queued steps: filled now
+            self._fill(pack, slot)
+        else:
+            packs.queue(pack, slot)
+
+    def fill_packs(self) -> None:
+        """Fill the packs queued in earlier steps (their runs are written now), from the slots
+        they were built from if those still map the run (else the pack is dropped); from now on
+        hits map them."""
+        if self.packs is not None and self.packs.pending:
+            for pack, slot in self.packs.due():
+                self._fill(pack, slot)
+
+    def _fill(self, pack, slot: int) -> None:
+        """Copy ``pack``'s run from ``slot`` into it (best effort: a slot that no longer maps the
+        run, or a failed driver call, drops the pack)."""
+        packs, size, start = self.packs, self.packs.size, pack.start
+        here = tuple(tuple(pages[start:start + size]) for pages in self.mapped[slot])
+        if here != pack.pids or self.usable(slot) < start + size or pack.gens != packs._gens(pack.pids):
+            packs.discard(pack)                 # the slot moved on: nothing to copy from
             return
         try:
             packs.fill(pack, lambda rng: self.run_bytes(rng, slot, start, size))

@@ -10,9 +10,12 @@ bytes the pack copied, alive while any region maps the pack. A pack is found by 
 their pool generations (:attr:`~.pages.PagePool.gen`), so a page taken again for other content
 never matches a stale pack. See docs/shared-prefix-packs.md.
 
-Building one: the run's second hit (the first may be a one-off repeat) maps its pages as usual,
-then the pack is mapped at a scratch address and the run copied into it on the current stream
-(ordered after the writes that filled the pages). A scratch area is unmapped when the ring of
+Building one: the run's second hit (the first may be a one-off repeat) maps its pages as usual
+and creates the pack, mapped at a scratch address, and copies the run into it from that slot on
+the current stream — at once when the run's blocks were bound in earlier engine steps (their
+forwards are queued before the copy), else from the next step on (a block is cached, and hit,
+in the step that computes it: its bytes are final only after that step's forward). Only a
+filled pack is mapped by hits. A scratch area is unmapped when the ring of
 them comes round to it again, after its copy's fence. Not thread-safe: the cache lock
 serialises it.
 """
@@ -39,6 +42,7 @@ class Pack:
     handles: list        # one allocation of ``size`` pages per range
     users: int = 0       # (slot, range) spans that map it
     used_at: int = 0     # for dropping the least recently used idle pack
+    ready: bool = False  # filled: hits may map it
 
 
 class Packs:
@@ -70,6 +74,13 @@ class Packs:
         self._view = None                                       # uint8 tensor over them
         self._areas: list[dict] = []                            # per area: mapped VAs, fence, pack
         self._next_area = 0
+        #: engine steps seen (:meth:`next_step`); a pack is filled from the step after its build
+        #: on, so its copy is ordered after the forward that wrote the run (vLLM caches a block,
+        #: and other requests hit it, in the step that computes it)
+        self.epoch = 0
+        self.pending: list[tuple[Pack, int, int]] = []          # (pack, source slot, epoch)
+        #: pages bound to a block key in this step: their bytes are written by its forward
+        self.fresh: set[int] = set()
 
     @property
     def enabled(self) -> bool:
@@ -93,6 +104,8 @@ class Packs:
             self._clock += 1
             pack.used_at = self._clock
             return pack
+        if not pack.ready:                      # pending with other pages: a later fill drops it
+            return None
         del self.by_key[(start, per_range[0])]
         if not pack.users:
             self._release(pack)
@@ -138,6 +151,28 @@ class Packs:
         self.hits.pop((start, per_range, pack.gens), None)
         return pack
 
+    def queue(self, pack: Pack, slot: int) -> None:
+        """Fill ``pack`` from ``slot`` (which maps the run now) at a later step (:meth:`due`)."""
+        self.pending.append((pack, slot, self.epoch))
+
+    def due(self) -> list[tuple[Pack, int]]:
+        """The queued fills whose run was written by a step already queued on the device (taken
+        off the queue)."""
+        ready = [(p, slot) for p, slot, epoch in self.pending if epoch < self.epoch]
+        self.pending = [entry for entry in self.pending if entry[2] >= self.epoch]
+        return ready
+
+    def next_step(self) -> None:
+        """The engine's step was prepared (``ensure`` / ``step`` returned): later fills are
+        ordered after its forward."""
+        self.epoch += 1
+        self.fresh.clear()
+
+    def written(self, per_range: tuple) -> bool:
+        """Whether the run's bytes were written by steps already queued (no page of it bound in
+        this step): a copy queued now reads them."""
+        return not any(pid in self.fresh for pids in per_range for pid in pids)
+
     def fill(self, pack: Pack, source) -> None:
         """Copy the run into ``pack``: per range, from ``source(rng)`` (a ``uint8`` tensor over
         where a slot maps the run's pages now) through a scratch mapping of the pack, on the
@@ -163,6 +198,7 @@ class Packs:
             self.driver.set_access(va, nbytes)
             self._view[base + rng * nbytes:base + (rng + 1) * nbytes].copy_(source(rng))
             area["fence"] = self.driver.record_fence()
+        pack.ready = True
 
     def discard(self, pack: Pack) -> None:
         """Forget a pack nothing maps (a failed fill)."""
@@ -189,6 +225,7 @@ class Packs:
         area["pack"] = None
 
     def _release(self, pack: Pack) -> None:
+        self.pending = [entry for entry in self.pending if entry[0] is not pack]
         for area in self._areas:                # a scratch mapping of it: gone first
             if area["pack"] is pack:
                 self._clear_area(area)

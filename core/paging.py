@@ -226,6 +226,7 @@ class SlotPages(PackRuns):
         if not 0 <= index <= self.usable(slot) or end > self.layout.pages_per_slot:
             raise ValueError(f"page-sets {index}..{end - 1} of slot {slot} do not start at a mapped or "
                              f"the next one (usable {self.usable(slot)}, at most {self.layout.pages_per_slot})")
+        self.fill_packs()
         plan = self._pack_plan(index, sets)
         freed = 0
         try:

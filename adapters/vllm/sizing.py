@@ -14,6 +14,7 @@ import os
 import re
 
 from vattn.core import KVCacheConfig
+from vattn.core.config import env_int, pack_mb
 from vattn.core.errors import ConfigError
 from vattn.core.layout import KVLayout
 
@@ -60,9 +61,12 @@ def config_from_vllm(vllm_config, *, device: str, num_blocks: int | None = None)
                           f"bytes, not a multiple of the {os_page}-byte OS page; use --block-size "
                           f"{fits} (block_size={fits}), or turn prefix caching off "
                           f"(--no-enable-prefix-caching)")
+    # packs of shared runs (VATTN_PACK_MB, default off; VATTN_PACK_SETS page-sets each, default 8)
+    packs = dict(pack_pages=pack_mb() * 2**20 // page, pack_sets=env_int("VATTN_PACK_SETS", 8, minimum=2))
     if num_blocks is None:
-        return dataclasses.replace(cfg, page_bytes=page)
-    return dataclasses.replace(cfg, page_bytes=page, page_budget=(num_blocks + 1) * page * lay.num_ranges)
+        return dataclasses.replace(cfg, page_bytes=page, **packs)
+    return dataclasses.replace(cfg, page_bytes=page, page_budget=(num_blocks + 1) * page * lay.num_ranges,
+                               **packs)
 
 
 def _parse_budget(text: str) -> int | float:

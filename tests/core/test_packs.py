@@ -28,19 +28,21 @@ def _hit(cache, keys, value=None):
 
 
 def _packed(cache, keys, value):
-    """Write ``keys`` (``value``) and hit them twice: the second hit builds their packs."""
+    """Write ``keys`` (``value``) and hit them twice (the second hit creates their packs), then
+    end the engine step: the packs are filled at the next one."""
     _hit(cache, keys, value=value)
     for _ in range(2):
         _hit(cache, keys)
+    cache.ensure({})
 
 
-def test_the_third_hit_maps_a_pack_with_one_call_per_range_and_reads_the_same_bytes():
+def test_the_second_hit_packs_a_run_written_before_and_later_hits_map_it_with_one_call_per_range():
     with _cache() as cache:
         ranges = cache.layout.num_ranges
-        owner = _hit(cache, ["a0", "a1", "a2", "a3"], value=7)
+        owner = _hit(cache, ["a0", "a1", "a2", "a3"], value=7)   # bound and written, a step ago
         first = _hit(cache, ["a0", "a1", "a2", "a3"])        # one-off so far: page by page
         assert cache.metrics()["packs_built"] == 0
-        second = _hit(cache, ["a0", "a1", "a2", "a3"])       # hit again: copied into 2 packs
+        second = _hit(cache, ["a0", "a1", "a2", "a3"])       # hit again: 2 packs, filled at once
         assert cache.metrics()["packs_built"] == 2 and cache.metrics()["pages_packed"] == 0
         before = cache.metrics()["map_calls"]
         third = _hit(cache, ["a0", "a1", "a2", "a3"])
@@ -50,6 +52,24 @@ def test_the_third_hit_maps_a_pack_with_one_call_per_range_and_reads_the_same_by
         for slot in (owner, first, second, third):
             assert same(cache, slot, 0, 4 * T, 7)
         assert cache._pages.at(third, 1) == cache._pages.at(owner, 1)   # the record: the own pages
+        cache.audit()
+
+
+def test_a_pack_never_copies_a_run_before_the_step_that_writes_it():
+    """vLLM caches a block, and other requests hit it, in the step that computes it: a pack made
+    then must copy the run only after that step's forward (here: the bytes written after the
+    hits, before the step ends)."""
+    with _cache() as cache:
+        owner = cache.acquire()
+        assert cache.bind(owner, 0, ["w0", "w1"])            # scheduled, not computed yet
+        for _ in range(3):
+            _hit(cache, ["w0", "w1"])                        # hits in the same step
+        assert cache.metrics()["packs_built"] == 0 and cache.metrics()["pages_packed"] == 0
+        cache.ensure({owner: 2 * T})
+        fill(cache, owner, 0, 2 * T, 11)                     # the forward writes the run
+        late = _hit(cache, ["w0", "w1"])                     # the next step: filled, then mapped
+        assert cache.metrics()["packs_built"] == 1 and cache.metrics()["pages_packed"] > 0
+        assert same(cache, late, 0, 2 * T, 11)
         cache.audit()
 
 
@@ -85,12 +105,23 @@ def test_a_trim_inside_a_pack_keeps_the_positions_below_it():
 
 def test_a_page_taken_again_never_matches_an_old_pack():
     with _cache() as cache:
-        _packed(cache, ["e0", "e1"], 4)
-        packs = cache._pages.packs
-        (pack,) = packs.live
-        pool = cache._pool
-        pool.gen[pack.pids[0][0]] += 1                       # as if freed and taken for new content
-        assert packs.lookup(pack.start, pack.pids) is None
+        packs, pool = cache._pages.packs, cache._pool
+        owner = cache.acquire()
+        assert cache.bind(owner, 0, ["e0", "e1"])            # hit in the step that writes them
+        for _ in range(2):
+            _hit(cache, ["e0", "e1"])
+        (pending,) = packs.live
+        assert not pending.ready
+        pool.gen[pending.pids[0][0]] += 1                    # as if freed and taken for new content
+        assert packs.lookup(pending.start, pending.pids) is None
+        cache.ensure({})
+        cache.ensure({})                                     # its fill finds other content: dropped
+        assert not packs.live and packs.held == 0 and cache.metrics()["packs_built"] == 0
+        _packed(cache, ["e2", "e3"], 5)                      # written a step before: filled at once
+        (ready,) = packs.live
+        assert ready.ready and cache.metrics()["packs_built"] == 1
+        pool.gen[ready.pids[1][1]] += 1
+        assert packs.lookup(ready.start, ready.pids) is None
         assert not packs.live and packs.held == 0            # stale and unused: released
 
 
@@ -103,10 +134,15 @@ def _faulty(keys, value):
     return drv, cache
 
 
+def _step(cache) -> None:
+    cache.ensure({})
+
+
 def test_a_failed_pack_map_leaves_an_exact_record_and_the_bind_can_be_retried():
     drv, cache = _faulty(["f0", "f1"], 6)
     with cache:
-        _hit(cache, ["f0", "f1"])                            # builds the pack
+        _hit(cache, ["f0", "f1"])                            # creates and fills the pack
+        assert cache.metrics()["packs_built"] == 1
         slot = cache.acquire()
         drv.arm("map", drv.calls["map"] + 1)                 # the pack's map call
         with pytest.raises(InjectedFault):
@@ -122,6 +158,7 @@ def test_a_failed_pack_build_is_skipped():
     with cache:
         drv.arm("create", drv.calls["create"] + 1)            # the pack's first allocation
         slot = _hit(cache, ["g0", "g1"])                     # mapped page by page, no pack
+        _step(cache)
         m = cache.metrics()
         assert m["packs_built"] == 0 and m["driver_faults"] == 1
         assert same(cache, slot, 0, 2 * T, 2)
@@ -147,7 +184,9 @@ def test_on_cuda_a_pack_reads_the_same_bytes_and_a_write_beside_it_stays_private
         assert cache.bind(owner, 0, keys)
         cache.ensure({owner: 2 * t})
         fill(cache, owner, 0, 2 * t, 8)
-        slots = [_hit(cache, keys) for _ in range(3)]
+        slots = [_hit(cache, keys) for _ in range(2)]
+        cache.ensure({})                                 # the step ends: the next fills the pack
+        slots.append(_hit(cache, keys))
         assert cache.metrics()["packs_built"] == 1 and cache.metrics()["pages_packed"] > 0
         torch.cuda.synchronize()
         for slot in [owner, *slots]:

@@ -89,6 +89,27 @@ def test_identity_with_prefix_caching_on_both_sides(tiny_model):
     _assert_identical(stock, vattn, 12)
 
 
+def test_identity_with_prefix_caching_and_packs(tiny_model):
+    """Packs on in vattn's engine (``vattn:p4``: 4 MiB, runs of 2 blocks): 10 prompts on one
+    69-token prefix, admitted a few a step (96 tokens a step) into fresh slots, so the prefix is
+    hit in the step that computes it (the pack is made then and filled a step later) and mapped
+    from the pack after that: stock's tokens, log-probs, schedule and hits."""
+    from vattn.conformance.runners.vllm import VllmRunner
+    runner = VllmRunner(device="cpu", max_num_seqs=16, modes=("stock", "vattn:p4"),
+                        engine_env={"VATTN_PACK_SETS": "2"},
+                        engine_args={"prefix_caching": True, "block_size": BLOCK, "max_num_batched_tokens": 96})
+    rng = random.Random(7)
+    prefix = [rng.randrange(1, 1000) for _ in range(2 * BLOCK + 5)]
+    prompts = [prefix + [rng.randrange(1, 1000) for _ in range(rng.randrange(3, 20))] for _ in range(10)]
+    stock = runner.run("stock", tiny_model, prompts, 12)
+    vattn = runner.run("vattn:p4", tiny_model, prompts, 12)
+    assert vattn.extra["num_cached_tokens"] == stock.extra["num_cached_tokens"]
+    metrics = vattn.extra["vattn_metrics"]
+    assert metrics["packs_built"] > 0 and metrics["pages_packed"] > 0, metrics
+    _same_schedule(stock, vattn)
+    _assert_identical(stock, vattn, 12)
+
+
 def test_identity_with_hits_that_end_inside_vattns_block(tiny_model):
     """vattn's block (64 tokens) is twice stock's (32), and both hit every 32 tokens (vLLM's
     ``prefix_match_unit``; a single KV cache group: stock vLLM honours it only at its block
