@@ -31,13 +31,15 @@ logger = logging.getLogger(__name__)
 def make_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                max_requests: int, max_context: int, device: str, group_size: int = 1,
                page_budget=0.9, map_ahead_tokens: int = 0, page_bytes: int | None = None,
-               driver=None) -> VirtualKVCache:
+               driver=None, pack_pages: int = 0, pack_sets: int = 8) -> VirtualKVCache:
     """Build the :class:`VirtualKVCache` behind a pool: ``max_requests`` slots plus the pad slot
-    (``driver``: the cache's driver, default the device's)."""
+    (``driver``: the cache's driver, default the device's; ``pack_pages`` / ``pack_sets``: packs
+    of shared runs, see :class:`~vattn.core.KVCacheConfig`)."""
     cfg = KVCacheConfig(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                         dtype=dtype, max_slots=max_requests + 1, max_context=max_context,
                         group_size=group_size, page_budget=page_budget, device=device,
-                        map_ahead_tokens=map_ahead_tokens, page_bytes=page_bytes)
+                        map_ahead_tokens=map_ahead_tokens, page_bytes=page_bytes,
+                        pack_pages=pack_pages, pack_sets=pack_sets)
     return VirtualKVCache(cfg, driver=driver)
 
 

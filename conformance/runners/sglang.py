@@ -41,7 +41,7 @@ class SglangRunner:
     Parameters
     ----------
     modes : tuple of str
-        Subset of ``("stock", "stock-eager", "vattn", "vattn-eager", "vattn-nostage")`` (the last:
+        Subset of ``("stock", "stock-eager", "vattn", "vattn-eager", "vattn-nostage", "vattn-packs")`` (the last two:
         prefix staging off); the first is the baseline.
     engine_args : dict, optional
         Extra ``sglang.Engine`` keyword arguments for every mode (e.g. ``load_format="dummy"``,
@@ -103,14 +103,17 @@ class SglangRunner:
     def env_for(mode: str) -> dict:
         """The environment of ``mode``'s engine process: this one's, SGLang's FA3 kernel chosen,
         ``VATTN_SGLANG=1`` (the vattn platform) for the vattn modes only, prefix staging off for
-        ``vattn-nostage`` only."""
+        ``vattn-nostage`` and ``vattn-packs``, 1 GiB of packs for ``vattn-packs``."""
         env = dict(os.environ, SGLANG_USE_SGL_FA3_KERNEL="1")
         env.pop("VATTN_SGLANG", None)
         env.pop("VATTN_STAGE_PREFIXES", None)
+        env.pop("VATTN_PACK_MB", None)
         if mode.startswith("vattn"):
             env["VATTN_SGLANG"] = "1"
-        if mode == "vattn-nostage":
+        if mode in ("vattn-nostage", "vattn-packs"):
             env["VATTN_STAGE_PREFIXES"] = "0"
+        if mode == "vattn-packs":
+            env["VATTN_PACK_MB"] = "1024"
         return env
 
     def _launch(self, mode: str, spec: dict) -> RunResult:

@@ -61,13 +61,14 @@ class Engine:
     """SGLang's memory classes + vattn's pool / allocator / backend, driven step by step."""
 
     def __init__(self, *, reqs=6, ctx=128, page_sets=None, radix=True, map_ahead=0, rids=True,
-                 defer_frees=False, graphs=False, driver=None):
+                 defer_frees=False, graphs=False, driver=None, packs=False):
         self.rids = rids              # False: forward batches without request ids (decode reads rows)
         page_sets = page_sets or reqs * -(-ctx // PAGE)
         self.cache = make_cache(num_layers=L, num_kv_heads=HK, head_dim=D, dtype=torch.float32,
                                 max_requests=reqs + 2, max_context=ctx, device="cpu",
                                 page_bytes=PAGE * TOKEN_BYTES, map_ahead_tokens=map_ahead,
-                                page_budget=(page_sets + 2) * L * PAGE * TOKEN_BYTES, driver=driver)
+                                page_budget=(page_sets + 2) * L * PAGE * TOKEN_BYTES, driver=driver,
+                                pack_pages=16 * L if packs else 0, pack_sets=2)
         self.pool = VattnMHATokenToKVPool.from_cache(self.cache, page_size=PAGE)
         self.alloc = VattnTokenAllocator(page_sets * PAGE, PAGE, torch.float32, "cpu", self.pool)
         self.alloc.defer_frees = defer_frees    # as on the GPU: frees settled at the next alloc

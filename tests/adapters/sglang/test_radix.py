@@ -249,6 +249,18 @@ def test_many_requests_churn_without_leaks(radix, rids, defer):
     e.cache.audit()
 
 
+def test_churn_with_packs_maps_shared_runs_from_them_and_corrupts_nothing():
+    """The churn with packs on (runs of 2 page-sets): SGLang's radix hits map packed runs, every
+    request's K/V is still exactly its own after every forward, nothing leaks."""
+    e = Engine(reqs=5, page_sets=24, radix=True, defer_frees=True, packs=True)
+    assert _churn(e, 7) > 0         # a seed whose churn hits a packed run (most hit warm slots)
+    m = e.cache.metrics()
+    assert m["packs_built"] > 0 and m["pages_packed"] > 0, m
+    e.alloc.drain_frees(wait=True)
+    assert e.alloc.available_size() == e.alloc.size
+    e.cache.audit()
+
+
 def test_churn_with_driver_faults_is_retried_and_corrupts_nothing():
     """The churn with the cache's driver failing 20 % of its map and set-access calls: each
     failed call is retried within the forward and every request's K/V is still exactly its own

@@ -67,3 +67,12 @@ def test_the_nostage_mode_is_vattn_with_prefix_staging_off(monkeypatch):
     assert "VATTN_SGLANG" not in SglangRunner.env_for("stock")
     kw = engine_kwargs("vattn-nostage", "/m", {})
     assert kw == engine_kwargs("vattn", "/m", {})           # the same engine otherwise
+
+
+def test_the_packs_mode_is_vattn_with_staging_off_and_a_pack_budget(monkeypatch):
+    from vattn.conformance.runners.sglang import SglangRunner
+    monkeypatch.setenv("VATTN_PACK_MB", "7")              # this process's setting is not inherited
+    plain, packs = SglangRunner.env_for("vattn"), SglangRunner.env_for("vattn-packs")
+    assert "VATTN_PACK_MB" not in plain and packs["VATTN_PACK_MB"] == "1024"
+    assert packs["VATTN_STAGE_PREFIXES"] == "0" and packs["VATTN_SGLANG"] == "1"
+    assert engine_kwargs("vattn-packs", "/m", {}) == engine_kwargs("vattn", "/m", {})
