@@ -74,9 +74,9 @@ class Packs:
         self._view = None                                       # uint8 tensor over them
         self._areas: list[dict] = []                            # per area: mapped VAs, fence, pack
         self._next_area = 0
-        #: engine steps seen (:meth:`next_step`); a pack is filled from the step after its build
-        #: on, so its copy is ordered after the forward that wrote the run (vLLM caches a block,
-        #: and other requests hit it, in the step that computes it)
+        #: engine steps seen (:meth:`next_step`); a pack whose run was bound in this step is
+        #: filled from the next one on, so its copy is ordered after the forward that wrote the
+        #: run (vLLM caches a block, and other requests hit it, in the step that computes it)
         self.epoch = 0
         self.pending: list[tuple[Pack, int, int]] = []          # (pack, source slot, epoch)
         #: pages bound to a block key in this step: their bytes are written by its forward
@@ -124,8 +124,8 @@ class Packs:
 
     # -- building ---------------------------------------------------------------------------------
     def create(self, start: int, per_range: tuple) -> Pack | None:
-        """A new pack for the run (allocations made, nothing copied yet), dropping least recently
-        used idle packs for room; ``None`` when the budget is held by packs in use."""
+        """A new pack for the run (allocations made, nothing copied yet: :meth:`fill`), dropping
+        least recently used idle packs for room; ``None`` when the budget is held by packs in use."""
         need = self.size * self.num_ranges
         while self.held + need > self.budget:
             idle = [p for p in self.live if not p.users]
