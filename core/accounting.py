@@ -82,10 +82,7 @@ def audit(st: CacheState) -> None:
         raise VattnError(f"slot {slot} is counted as holding {pages.held_n[slot]} "
                          f"pages but holds {held[slot]}")
     if pages.packs is not None:
-        try:
-            pages.packs.check(pages.mapped)
-        except AssertionError as exc:
-            raise VattnError(str(exc)) from None
+        pages.packs.check(pages.mapped)
     if int((pool.refs > 0).sum()) + pool.num_free != pool.num_pages:
         raise VattnError(f"{int((pool.refs > 0).sum())} used + {pool.num_free} free pages != "
                          f"{pool.num_pages} in the pool")

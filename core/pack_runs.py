@@ -174,9 +174,10 @@ class PackRuns:
                 self._restore_access(slot, rng)
 
     def _build(self, slot: int, start: int, per_range: tuple) -> None:
-        """Create a pack for the run just mapped page by page at ``start ..`` of ``slot``; it is
-        filled from there at a later step (:meth:`fill_packs`). Best effort: no room, or a failed
-        driver call, leaves it unbuilt."""
+        """Create a pack for the run just mapped page by page at ``start ..`` of ``slot`` and fill
+        it from there: now when the run's blocks were bound in an earlier step, else at the next
+        step (:meth:`fill_packs`). Best effort: no room, or a failed driver call, leaves it
+        unbuilt."""
         packs, size = self.packs, self.packs.size
         if any(self.at(slot, i) is None for i in range(start, start + size)):
             return                              # not all mapped (a failed call part way)
@@ -205,7 +206,7 @@ class PackRuns:
         run, or a failed driver call, drops the pack)."""
         packs, size, start = self.packs, self.packs.size, pack.start
         here = tuple(tuple(pages[start:start + size]) for pages in self.mapped[slot])
-        if here != pack.pids or self.usable(slot) < start + size or pack.gens != packs._gens(pack.pids):
+        if here != pack.pids or self.usable(slot) < start + size or not packs.intact(pack):
             packs.discard(pack)                 # the slot moved on: nothing to copy from
             return
         try:

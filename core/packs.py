@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import DriverError
+from .errors import DriverError, VattnError
 
 __all__ = ["Pack", "Packs", "SCRATCH_AREAS"]
 
@@ -100,7 +100,7 @@ class Packs:
         pack = self.by_key.get((start, per_range[0]))
         if pack is None:
             return None
-        if pack.pids == per_range and pack.gens == self._gens(per_range):
+        if pack.pids == per_range and self.intact(pack):
             self._clock += 1
             pack.used_at = self._clock
             return pack
@@ -118,6 +118,10 @@ class Packs:
             self.hits.clear()
         self.hits[key] = self.hits.get(key, 0) + 1
         return self.hits[key] >= 2
+
+    def intact(self, pack: Pack) -> bool:
+        """Whether every page ``pack`` copied still holds that content (not taken again since)."""
+        return pack.gens == self._gens(pack.pids)
 
     def _gens(self, per_range: tuple) -> tuple:
         return tuple(tuple(self.pool.gen[list(pids)].tolist()) for pids in per_range)
@@ -259,21 +263,27 @@ class Packs:
         return pack
 
     def check(self, mapped: list) -> None:
-        """Every span's positions record the pack's pages; users count the spans (audit)."""
+        """Every span's positions record the pack's pages; users count the spans (the audit).
+
+        Raises
+        ------
+        VattnError
+            The first disagreement, named.
+        """
         users: dict[int, int] = {}
         for (slot, rng), spans in self.spans.items():
             for start, pack in spans.items():
                 have = tuple(mapped[slot][rng][start:start + self.size])
                 if have != pack.pids[rng]:
-                    raise AssertionError(f"slot {slot} range {rng}: pack span at {start} records "
-                                         f"{list(have)}, the pack holds {list(pack.pids[rng])}")
+                    raise VattnError(f"slot {slot} range {rng}: pack span at {start} records "
+                                     f"{list(have)}, the pack holds {list(pack.pids[rng])}")
                 users[id(pack)] = users.get(id(pack), 0) + 1
         for pack in self.live:
             if pack.users != users.get(id(pack), 0):
-                raise AssertionError(f"pack at {pack.start} counts {pack.users} users, "
-                                     f"{users.get(id(pack), 0)} spans map it")
+                raise VattnError(f"pack at {pack.start} counts {pack.users} users, "
+                                 f"{users.get(id(pack), 0)} spans map it")
         if self.held != len(self.live) * self.size * self.num_ranges:
-            raise AssertionError(f"packs hold {self.held} pages by count, {len(self.live)} packs live")
+            raise VattnError(f"packs hold {self.held} pages by count, {len(self.live)} packs live")
 
     def close(self) -> None:
         """Release every pack and the scratch reservation (nothing may map a pack any more)."""
