@@ -49,19 +49,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_results(folders: str | list[str]) -> dict:
     """``{"identity": dict | None, "workloads": {name: report}, "env": str}`` from one results
-    folder, or several merged (a workload's modes from every folder; the first folder's identity,
-    profiles and environment; engines of one mode pooled again over all folders).
+    folder, or several merged (a workload's modes from every folder, a mode run again in the
+    n-th folder named ``MODE@n``; the first folder's identity, profiles and environment; engines
+    of one mode pooled again over all folders).
 
     Raises
     ------
     ConfigError
         A folder is missing, holds no stage JSON, a stage JSON is not valid, or two folders ran
-        the same mode of a workload.
+        the same ``MODE@N`` of a workload.
     """
     if isinstance(folders, str):
         return _load_folder(folders)
     merged = None
-    for folder in folders:
+    for n, folder in enumerate(folders, start=1):
         res = _load_folder(folder)
         if merged is None:
             merged = res
@@ -70,11 +71,13 @@ def load_results(folders: str | list[str]) -> dict:
             have = merged["workloads"].setdefault(name, report)
             if have is report:
                 continue
-            same = set(_rows(have)) & set(_rows(report))
+            rows = {(f"{mode}@{n}" if mode in _rows(have) and "@" not in mode else mode): row
+                    for mode, row in _rows(report).items()}     # a re-run in folder n: MODE@n
+            same = set(_rows(have)) & set(rows)
             if same:
                 raise ConfigError(f"--results: workload {name!r} ran mode(s) {sorted(same)} in more than one "
                                   f"folder ({folder!r} among them); name re-runs MODE@N")
-            _rows(have).update(_rows(report))
+            _rows(have).update(rows)
     if merged is None:
         raise ConfigError("--results: expected at least one folder")
     from vattn.bench.gpu.report import pool_engines
@@ -304,23 +307,27 @@ def variants_line(name: str, report: dict) -> str | None:
 def work_line(name: str, report: dict) -> str | None:
     """``- name: vattn's work per generation ...``: host ms of ``apply``, the GPU's idle ms
     behind it and pages aliased, each generation on its own (from the rows' cumulative
-    ``vattn_each``; ``None`` when no row has them)."""
+    ``vattn_each``, the first counted from ``vattn_before`` where a row has it, else from the
+    engine's start; ``None`` when no row has them)."""
     cells = []
     for mode, row in _rows(report).items():
         each = [e for e in (row.get("vattn_each") or []) if e]
         if not each:
             continue
-        prev, parts = {}, []
+        prev, parts = row.get("vattn_before") or {}, []
         for e in each:
-            d = {k: (e.get(k) or 0) - (prev.get(k) or 0) for k in ("apply_ms", "device_wait_ms", "pages_aliased")}
+            d = {k: (e.get(k) or 0) - (prev.get(k) or 0)
+                 for k in ("apply_ms", "device_wait_ms", "pages_aliased", "map_calls")}
             wait = f"{d['device_wait_ms']:.0f}" if e.get("device_wait_ms") is not None else "—"
-            parts.append(f"{d['apply_ms']:.0f} / {wait} ms, {d['pages_aliased']:,} aliased")
+            calls = f", {d['map_calls']:,} map calls" if e.get("map_calls") is not None else ""
+            parts.append(f"{d['apply_ms']:.0f} / {wait} ms, {d['pages_aliased']:,} aliased{calls}")
             prev = e
         cells.append(f"{mode} " + "; ".join(parts))
     if not cells:
         return None
     return (f"- {name}: vattn's work per generation (host ms of `apply` / the GPU's idle ms behind "
-            f"it, pages aliased): {' | '.join(cells)}")
+            f"it, pages aliased, driver map calls; the first generation counts from the engine's "
+            f"start where no count before it was taken): {' | '.join(cells)}")
 
 
 def hits_line(name: str, report: dict) -> str | None:

@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(VATTN_PACK_MB: a run of 8 page-sets hit twice is copied into one "
                              "allocation per range and later hits map it with one call per range); "
                              "default 0: off")
+    parser.add_argument("--pack-sets", type=argtypes.positive_int, default=8,
+                        help="with --pack-mb: page-sets per pack, a power of 2 (VATTN_PACK_SETS; default 8)")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="with the scheduler: before the generations, one untimed request of the "
+                             "first prompt for 2 tokens, as the engine stages warm up (a shared "
+                             "prefix is then cached before the first burst)")
     parser.add_argument("--fence-policy", choices=("retire", "wait"), default="retire",
                         help="with --fence-lag: a released slot's pages whose fence is pending are "
                              "handed on at once and unmapped once it completes (retire: vLLM's GPU "
@@ -83,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = False,
              blocks: int | None = None, driver=None, stream_ordered: bool = True,
-             stage: bool | None = None, pack_mb: int = 0):
+             stage: bool | None = None, pack_mb: int = 0, pack_sets: int = 8):
     """Llama-3-8B's page arithmetic (G=4: 128 tokens per 2 MiB page-set row) on CUDA; on the host
     backend the same 128 tokens per page with 1 KV head of 64 fp32 values and 256 KiB pages (16
     fp16 values and 32 KiB pages with prefix caching, whose workloads hold more tokens).
@@ -102,7 +108,8 @@ def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = Fa
     cfg = KVCacheConfig(num_layers=32, num_kv_heads=heads, head_dim=dim, dtype=dtype, max_slots=batch,
                         max_context=context, group_size=4, page_budget=blocks * pages_per_set * page,
                         page_bytes=page, device=device, map_ahead_tokens=0 if stage is None else block,
-                        stream_ordered=stream_ordered, pack_pages=pack_mb * 2**20 // page)
+                        stream_ordered=stream_ordered, pack_pages=pack_mb * 2**20 // page,
+                        pack_sets=pack_sets)
     check_fits(f"{batch} requests of {max_len} tokens", cfg.page_budget, device,
                hint="lower --batch, --prompt or --new")
     names = [f"model.layers.{i}.self_attn.attn" for i in range(32)]
@@ -193,10 +200,10 @@ def run_prefix(args) -> int:
         raise ConfigError(f"--pool-fraction must be in (0, 8], got {args.pool_fraction}")
     stage = None if args.stage_prefixes is None else args.stage_prefixes == "on"
     scheduled = (args.pool_fraction != 1 or args.fence_lag > 0 or args.max_batched_tokens is not None
-                 or stage is not None or args.pack_mb > 0)
+                 or stage is not None or args.pack_mb > 0 or args.warm_up)
     if scheduled and args.workload == "multi-turn":
-        raise ConfigError("--pool-fraction / --fence-lag / --max-batched-tokens / --stage-prefixes / --pack-mb run "
-                          "decode-heavy or shared-prefix, not multi-turn")
+        raise ConfigError("--pool-fraction / --fence-lag / --max-batched-tokens / --stage-prefixes / --pack-mb / "
+                          "--warm-up run decode-heavy or shared-prefix, not multi-turn")
     turns = args.generations + 1
     longest = args.prompt + args.new + ((turns - 1) * (args.new + args.user) if args.workload == "multi-turn" else 0)
     fences = None
@@ -216,11 +223,14 @@ def run_prefix(args) -> int:
                           "--max-batched-tokens or --stage-prefixes")
     rt = _runtime(args.device, seqs, args.max_model_len or longest, prefix_caching=True,
                   blocks=blocks, driver=fences, stream_ordered=args.fence_policy == "retire", stage=stage,
-                  pack_mb=args.pack_mb)
+                  pack_mb=args.pack_mb, pack_sets=args.pack_sets)
     try:
         pool = PrefixBlockPool(blocks, rt.block_size)
         prompts = prompts_for(args.workload, batch=args.batch, prompt=args.prompt, shared=args.shared)
         runs = []
+        if args.warm_up:                        # as the engine stages: one prompt, 2 tokens, untimed
+            scheduled_generation(rt, pool, prompts[:1], 2, max_running=seqs, fences=fences,
+                                 max_batched_tokens=args.max_batched_tokens, settle=stage is not None)
         for turn in tqdm(range(turns), desc="generations", leave=False):
             if scheduled:
                 runs.append(scheduled_generation(rt, pool, prompts, args.new, max_running=seqs,
@@ -257,7 +267,10 @@ def run_prefix(args) -> int:
           + (f"; at most {args.max_batched_tokens} tokens computed a step" if args.max_batched_tokens else "")
           + (f"; the map-ahead worker on (finishing between steps), prefix staging {args.stage_prefixes}"
              if stage is not None else "")
-          + (f"; {args.pack_mb} MiB for packs of shared runs" if args.pack_mb else "")
+          + (f"; {args.pack_mb} MiB for packs of {args.pack_sets} page-sets of shared runs"
+             if args.pack_mb else "")
+          + ("; before the generations an untimed warm-up request of the first prompt (2 tokens), as "
+             "the engine stages run one" if args.warm_up else "")
           + "; over the run the block pool handed out "
           f"{pool.new_blocks + pool.hit_blocks} blocks, {pool.hit_blocks} of them hits):\n\n" + "\n".join(rows) + "\n")
     print(md)
@@ -267,7 +280,7 @@ def run_prefix(args) -> int:
                                                                "shared", "generations", "pool_fraction",
                                                                "fence_lag", "fence_policy", "max_model_len",
                                                                "max_num_seqs", "max_batched_tokens",
-                                                               "stage_prefixes", "pack_mb")},
+                                                               "stage_prefixes", "pack_mb", "pack_sets", "warm_up")},
                        "generations": runs}, f, indent=1)
     if not args.no_report:
         pressure = (f", pool {args.pool_fraction:g}, device lag {args.fence_lag}, {args.fence_policy}"
@@ -275,7 +288,9 @@ def run_prefix(args) -> int:
                     + (f", max_model_len {args.max_model_len}" if args.max_model_len else "")
                     + (f", {args.max_batched_tokens} tokens a step" if args.max_batched_tokens else "")
                     + (f", staging {args.stage_prefixes}" if stage is not None else "")
-                    + (f", packs {args.pack_mb} MiB" if args.pack_mb else "")) if scheduled else ""
+                    + (f", packs {args.pack_mb} MiB" if args.pack_mb else "")
+                    + (f" of {args.pack_sets} page-sets" if args.pack_mb and args.pack_sets != 8 else "")
+                    + (", warm-up" if args.warm_up else "")) if scheduled else ""
         write_section(f"host work with prefix caching, {args.workload}{pressure} ({args.device})", md, command_line(),
                       path=args.benchmarks)
     return 0

@@ -461,11 +461,13 @@ class VirtualKVCache:
         cfg, lay, m = self.config, self.layout, self.metrics()
         row = cache_layout_row(cfg, lay.page_bytes)
         warm = f", {m['pages_mapped']} pre-warmed" + (f" in {prewarm_s:.2f} s" if prewarm_s else "")
+        packs = (f", packs of {cfg.pack_sets} page-sets up to {cfg.pack_pages * lay.page_bytes / 2**20:.0f} MiB "
+                 f"beside the pool" if cfg.pack_pages else "")
         return (f"vattn KV cache: {row['layout']} ({lay.num_ranges} VA ranges of {lay.page_bytes >> 20} "
                 f"MiB pages), {lay.tokens_for(1)} tokens per page-set, {cfg.max_slots} slots of "
                 f"{cfg.max_context} tokens, {m['pages_total']} pages "
                 f"({m['pages_total'] * lay.page_bytes / 2**30:.2f} GiB){warm}, map-ahead "
-                f"{cfg.map_ahead_tokens} tokens, worst waste {row['worst_waste_MiB']:.2f} MiB per request")
+                f"{cfg.map_ahead_tokens} tokens{packs}, worst waste {row['worst_waste_MiB']:.2f} MiB per request")
 
     def prometheus_collector(self, *, prefix: str = "vattn"):
         """A Prometheus collector for this cache (needs ``prometheus_client``)."""

@@ -161,23 +161,24 @@ def driver_retries(retries: int | None = None) -> int:
     return env_int(DRIVER_RETRIES_ENV, 2, minimum=0) if retries is None else int(retries)
 
 
-#: ``0`` turns off staging shared prefixes into idle slots in the engine adapters (for a
-#: side-by-side measurement of what it saves); ``1``, the default, keeps it on
+#: ``1`` / ``0`` turns staging shared prefixes into idle slots on / off in the engine adapters
+#: (each adapter has its own default: :func:`stage_prefixes`)
 STAGE_PREFIXES_ENV = "VATTN_STAGE_PREFIXES"
 
 
 PACK_MB_ENV = "VATTN_PACK_MB"
 
 
-def pack_mb() -> int:
+def pack_mb(default: int = 0) -> int:
     """``$VATTN_PACK_MB``: MiB of device memory an engine adapter gives packs (``pack_pages``),
-    on top of the KV pool; default 0 (off)."""
-    return env_int(PACK_MB_ENV, 0, minimum=0)
+    on top of the KV pool; unset: the adapter's ``default`` (0: off)."""
+    return env_int(PACK_MB_ENV, default, minimum=0)
 
 
-def stage_prefixes() -> bool:
-    """Whether ``$VATTN_STAGE_PREFIXES`` (default 1) leaves prefix staging on."""
-    return env_flag(STAGE_PREFIXES_ENV, True)
+def stage_prefixes(default: bool = True) -> bool:
+    """Whether prefix staging is on: ``$VATTN_STAGE_PREFIXES`` (``1`` / ``0``), unset: the
+    adapter's ``default``."""
+    return env_flag(STAGE_PREFIXES_ENV, default)
 
 
 def env_flag(name: str, default: bool) -> bool:

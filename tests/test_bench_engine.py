@@ -236,14 +236,29 @@ def test_one_round_or_uneven_generations_give_no_rounds_line():
 def test_vattns_work_is_listed_per_generation():
     report = _throughput("shared-prefix", [128, 4352, 128, 128], {"stock": 2.76, "vattn": 2.77})
     report["rows"]["vattn"]["vattn_each"] = [
-        {"apply_ms": 900.0, "device_wait_ms": 610.4, "pages_aliased": 32512},
-        {"apply_ms": 960.0, "device_wait_ms": 615.0, "pages_aliased": 32512}]
+        {"apply_ms": 900.0, "device_wait_ms": 610.4, "pages_aliased": 32512, "map_calls": 40000},
+        {"apply_ms": 960.0, "device_wait_ms": 615.0, "pages_aliased": 32512, "map_calls": 40010}]
+    report["rows"]["vattn"]["vattn_before"] = {"apply_ms": 100.0, "device_wait_ms": 10.0, "pages_aliased": 0,
+                                               "map_calls": 28544}      # start-up and warm-up
     report["rows"]["vattn:s0"] = {"seconds": 2.8, "vattn_each": [
         {"apply_ms": 5.0, "device_wait_ms": None, "pages_aliased": 0}]}
     md = engine.markdown({"identity": None, "workloads": {"shared-prefix": report}, "env": ""})
-    assert ("- shared-prefix: vattn's work per generation (host ms of `apply` / the GPU's idle ms "
-            "behind it, pages aliased): vattn 900 / 610 ms, 32,512 aliased; 60 / 5 ms, 0 aliased"
+    assert ("vattn 800 / 600 ms, 32,512 aliased, 11,456 map calls; 60 / 5 ms, 0 aliased, 10 map calls"
             " | vattn:s0 5 / — ms, 0 aliased") in md
+    assert "- shared-prefix: vattn's work per generation (host ms of `apply` / the GPU's idle ms behind it" in md
     del report["rows"]["vattn"]["vattn_each"], report["rows"]["vattn:s0"]
     assert "work per generation" not in engine.markdown(
         {"identity": None, "workloads": {"shared-prefix": report}, "env": ""})
+
+
+def test_the_same_modes_in_later_folders_are_their_rounds(tmp_path):
+    """Three calls each running ``stock vattn`` (the order alternated by the caller): the n-th
+    folder's modes become MODE@n, pooled with the first's."""
+    for n, (s, v) in enumerate([(3.49, 5.17), (3.57, 5.05), (3.52, 4.90)], start=1):
+        (tmp_path / f"r{n}").mkdir()
+        a = _throughput("shared-prefix", [128, 4352, 128, 128], {"stock": s, "vattn": v})
+        _write(tmp_path / f"r{n}", "throughput_shared-prefix.json", a)
+    res = engine.load_results([str(tmp_path / f"r{n}") for n in (1, 2, 3)])
+    report = res["workloads"]["shared-prefix"]
+    assert set(report["rows"]) == {"stock", "vattn", "stock@2", "vattn@2", "stock@3", "vattn@3"}
+    assert report["rows"]["vattn@3"]["seconds"] == 4.90 and report["pooled"]["vattn"]["engines"] == 3

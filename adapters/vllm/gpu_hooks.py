@@ -104,7 +104,7 @@ def start_runtime(kv_cache_config, *, device, max_num_reqs: int, max_model_len: 
                                   head_dim=spec.head_size, dtype=spec.dtype,
                                   num_blocks=kv_cache_config.num_blocks, max_num_reqs=max_num_reqs,
                                   max_model_len=max_model_len, device=str(device), exact=exact,
-                                  pack_mb=pack_mb() if prefix_caching else 0)
+                                  pack_mb=pack_mb(gpu_layout.PACK_MB_DEFAULT) if prefix_caching else 0)
     page_set = cfg.num_layers // cfg.group_size * gpu_layout.PAGE_BYTES
     block = gpu_layout.tokens_per_page(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                        dtype=cfg.dtype, group_size=cfg.group_size)
@@ -115,7 +115,7 @@ def start_runtime(kv_cache_config, *, device, max_num_reqs: int, max_model_len: 
     runtime = GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max_num_tokens,
                          attn_margin=gpu_layout.EXACT_MARGIN if exact else 0, max_model_len=max_model_len,
                          prefix_caching=prefix_caching,
-                         stage_prefixes=prefix_caching and stage_prefixes())
+                         stage_prefixes=prefix_caching and stage_prefixes(False))
     rt.install(runtime)
     logger.info("%s (vLLM blocks of %d tokens = page-sets; prefix caching %s)",
                 runtime.cache.summary(prewarm_s=runtime.prewarm_s), block,

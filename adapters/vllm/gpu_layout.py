@@ -17,8 +17,9 @@ from vattn.core import KVCacheConfig, layout_report
 from vattn.core.config import engine_group_size, env_flag
 from vattn.core.errors import ConfigError, UnsupportedError
 
-__all__ = ["PAGE_BYTES", "KV_TILE", "EXACT_ENV", "EXACT_MARGIN", "exact_kernel_path", "default_group_size", "group_size_for", "tokens_per_page",
-           "block_size_for_vllm", "cache_config", "check_engine_config", "check_kv_cache_config"]
+__all__ = ["PAGE_BYTES", "KV_TILE", "EXACT_ENV", "EXACT_MARGIN", "PACK_MB_DEFAULT", "exact_kernel_path",
+           "default_group_size", "group_size_for", "tokens_per_page", "block_size_for_vllm", "cache_config",
+           "check_engine_config", "check_kv_cache_config"]
 
 PAGE_BYTES = 2 << 20   # the CUDA VMM granularity on Hopper: one physical page
 #: FA3's key tile for head_dim <= 128 with causal masking. A page must hold a whole number of
@@ -36,6 +37,14 @@ _GROUP_ENV = "VATTN_GROUP_SIZE"
 #: (4 of 16 prompts exact, as in the default mode), so the kernel path is not what differs.
 EXACT_ENV = "VATTN_VLLM_EXACT"
 EXACT_MARGIN = 16
+#: MiB of device memory for packs of shared runs beside vLLM's pool when prefix caching is on
+#: (``VATTN_PACK_MB`` overrides it; 0 turns packs off). A shared run of 8 page-sets hit twice is
+#: copied into one allocation per range, and later hits map it with one call per range instead of
+#: one per page (docs/shared-prefix-packs.md). Measured on the H100 (2026-12-06, 3 alternated
+#: rounds): the shared-prefix first generation 0.729x -> 0.886x stock at the 8B shape, the second
+#: and decode-heavy unchanged (BENCHMARKS.md). Prefix staging, which maps page by page, is off by
+#: default beside it (``VATTN_STAGE_PREFIXES=1`` turns it on; it did not move the GPU runs).
+PACK_MB_DEFAULT = 1024
 
 
 def exact_kernel_path() -> bool:

@@ -61,7 +61,8 @@ def config_from_vllm(vllm_config, *, device: str, num_blocks: int | None = None)
                           f"bytes, not a multiple of the {os_page}-byte OS page; use --block-size "
                           f"{fits} (block_size={fits}), or turn prefix caching off "
                           f"(--no-enable-prefix-caching)")
-    # packs of shared runs (VATTN_PACK_MB, default off; VATTN_PACK_SETS page-sets each, default 8)
+    # packs of shared runs (VATTN_PACK_MB; off by default on the CPU runner, whose pages are a
+    # block each; VATTN_PACK_SETS page-sets each, default 8)
     packs = dict(pack_pages=pack_mb() * 2**20 // page, pack_sets=env_int("VATTN_PACK_SETS", 8, minimum=2))
     if num_blocks is None:
         return dataclasses.replace(cfg, page_bytes=page, **packs)

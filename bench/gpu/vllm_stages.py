@@ -218,7 +218,7 @@ def stage_throughput(args) -> dict:
                 "seconds_each": res.extra.get("seconds_each"),
                 "cached_tokens_each": res.extra.get("cached_tokens_each"),
                 "prompt_tokens_each": [res.num_prompt_tokens] * len(res.extra.get("cached_tokens_each") or []),
-                "vattn_each": res.extra.get("vattn_each"),
+                "vattn_each": res.extra.get("vattn_each"), "vattn_before": res.extra.get("vattn_before"),
                 "jit_during_inference": jit_during_inference(runner.log_path(mode))}
         row |= _memory_columns(mode, res.extra.get("vattn_metrics"), plen, new)
     report["pooled"] = pool_engines(report["rows"])   # MODE@N re-runs: every generation pooled

@@ -13,9 +13,10 @@ that run, the stock modes leave it unset so they are untouched stock vLLM. Modes
 ``MODE@N`` (e.g. ``stock@2``) runs a mode once more in a fresh engine: is it reproducible itself?
 ``vattn:gG`` (or ``vattn-exact:gG``) runs the vattn mode with ``G`` layers per VA range
 (``VATTN_GROUP_SIZE=G`` in its engine): layouts compared side by side in one run, e.g.
-``stock vattn vattn:g2 ceiling``; ``vattn:s0`` runs it with prefix staging off
-(``VATTN_STAGE_PREFIXES=0``), e.g. ``stock vattn vattn:s0``; ``vattn:p1024`` with 1,024 MiB for
-packs of shared runs (``VATTN_PACK_MB``; variants combine: ``vattn:g2:s0``).
+``stock vattn vattn:g2 ceiling``; ``vattn:s1`` / ``vattn:s0`` runs it with prefix staging on /
+off (``VATTN_STAGE_PREFIXES``; the GPU runner's default: off); ``vattn:p1024`` with 1,024 MiB
+for packs of shared runs, ``vattn:p0`` without packs (``VATTN_PACK_MB``; the GPU runner's
+default: 1,024 with prefix caching on; variants combine: ``vattn:g2:p0``).
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class VllmRunner:
         if modes is not None and (not modes or not {_base(m) for m in modes} <= set(offered)):
             raise ConfigError(f"vllm modes must be a non-empty subset of {offered} on {device} "
                               f"(a mode again in a fresh engine as MODE@N, e.g. stock@2; vattn with G layers per "
-                              f"VA range as vattn:gG, with prefix staging off as vattn:s0, with N MiB of packs as "
-                              f"vattn:pN), got {modes}")
+                              f"VA range as vattn:gG, with prefix staging on / off as vattn:s1 / vattn:s0, with N "
+                              f"MiB of packs as vattn:pN), got {modes}")
         self.modes = tuple(modes) if modes is not None else offered
         self.log_dir, self.tag = log_dir, tag
         self.max_num_seqs = max_num_seqs
@@ -125,8 +126,8 @@ class VllmRunner:
         group = _group(run)
         if group is not None:
             env["VATTN_GROUP_SIZE"] = str(group)
-        if _staging_off(run):
-            env["VATTN_STAGE_PREFIXES"] = "0"
+        if _staging(run) is not None:
+            env["VATTN_STAGE_PREFIXES"] = _staging(run)
         if _pack_mb(run) is not None:
             env["VATTN_PACK_MB"] = str(_pack_mb(run))
         if spec["mode"] in ("vattn", "vattn-exact"):
@@ -146,8 +147,8 @@ class VllmRunner:
 def _base(mode: str) -> str:
     """``stock@2`` -> ``stock``: the same mode once more, in a fresh engine (run-to-run check);
     ``vattn:g2`` (or ``vattn:g2@2``) -> ``vattn``: the vattn mode with another layer group size;
-    ``vattn:s0`` -> ``vattn`` with prefix staging off; ``vattn:p1024`` -> ``vattn`` with 1,024 MiB
-    for packs (variants combine: ``vattn:g2:s0``)."""
+    ``vattn:s0`` / ``vattn:s1`` -> ``vattn`` with prefix staging off / on; ``vattn:p1024`` ->
+    ``vattn`` with 1,024 MiB for packs (variants combine: ``vattn:g2:s0``)."""
     base, _, again = mode.partition("@")
     if again and not again.isdigit():
         return mode
@@ -159,7 +160,7 @@ def _base(mode: str) -> str:
     return base
 
 
-_VARIANT = re.compile(r"g[1-9][0-9]*|s0|p[0-9]+")
+_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+")
 
 
 def _variants(mode: str) -> list[str]:
@@ -177,9 +178,10 @@ def _pack_mb(mode: str) -> int | None:
     return next((int(v[1:]) for v in _variants(mode) if v.startswith("p")), None)
 
 
-def _staging_off(mode: str) -> bool:
-    """Whether ``mode`` is a ``vattn:s0`` variant (prefix staging off in its engine)."""
-    return "s0" in _variants(mode)
+def _staging(mode: str) -> str | None:
+    """``"0"`` / ``"1"`` for a ``vattn:s0`` / ``vattn:s1`` variant (prefix staging off / on in its
+    engine), ``None`` for any other mode (the engine's default)."""
+    return next((v[1:] for v in _variants(mode) if v.startswith("s")), None)
 
 
 def _round_up(n: int, step: int) -> int:

@@ -83,6 +83,8 @@ def generate(spec: dict) -> dict:
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)  # warm-up
     steps = _schedule_recorder(llm)
     times, cached, each = [], [], []
+    vattn = os.environ.get("VATTN_VLLM") == "1"
+    before = generation_counters(_metrics(llm)) if vattn else None   # start-up and warm-up
     for _ in range(max(1, int(spec.get("repeats", 1)))):   # the same batch again: run-to-run spread
         if steps is not None:
             steps.clear()                                   # the last run's schedule is kept
@@ -90,7 +92,7 @@ def generate(spec: dict) -> dict:
         outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
         cached.append(sum(o.num_cached_tokens or 0 for o in outs))   # prefix-cache hits
-        if os.environ.get("VATTN_VLLM") == "1":
+        if vattn:
             each.append(generation_counters(_metrics(llm)))
     seconds = sorted(times)[(len(times) - 1) // 2]          # the median (lower one of an even count)
     if spec.get("profile_dir"):    # once more, profiled (untimed): the kernel table of a step window
@@ -113,8 +115,9 @@ def generate(spec: dict) -> dict:
                        # per request, the prompt tokens vLLM's prefix cache served (None: not reported)
                        "num_cached_tokens": [o.num_cached_tokens for o in outs],
                        "schedule": _by_prompt(steps, outs),
-                       # vattn's counters after each generation (cumulative; see generation_counters)
-                       "vattn_each": each or None,
+                       # vattn's counters after each generation (cumulative; see generation_counters),
+                       # and before the first (after start-up and the warm-up request)
+                       "vattn_each": each or None, "vattn_before": before,
                        "engine_kwargs": {k: v for k, v in engine_kwargs(spec).items() if k != "model"},
                        "vattn_metrics": _metrics(llm)})
 

@@ -176,7 +176,7 @@ def test_pack_config_is_checked(over, match):
 def test_on_cuda_a_pack_reads_the_same_bytes_and_a_write_beside_it_stays_private():
     """The CUDA driver's side: K-page allocations mapped whole, the copy on the stream."""
     import torch
-    with make_cache("cuda", pack_pages=64, pack_sets=2, max_slots=6, max_context=2048,
+    with make_cache("cuda", pack_pages=64, pack_sets=2, max_slots=6, max_context=32768,
                     page_budget=64 * (2 << 20)) as cache:
         t = cache.layout.tokens_for(1)
         keys = ["h0", "h1"]
@@ -196,3 +196,10 @@ def test_on_cuda_a_pack_reads_the_same_bytes_and_a_write_beside_it_stays_private
         fill(cache, slots[-1], 2 * t, 3 * t, 1)
         assert same(cache, owner, 0, 2 * t, 8) and same(cache, slots[-1], 2 * t, 3 * t, 1)
         cache.audit()
+
+
+def test_the_start_up_line_names_the_pack_budget():
+    with _cache() as cache:
+        assert "packs of 2 page-sets up to 1 MiB beside the pool" in cache.summary()   # 16 x 64 KiB
+    with _cache(pack_pages=0) as cache:
+        assert "packs" not in cache.summary()

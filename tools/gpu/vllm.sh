@@ -4,7 +4,8 @@
 #   ceiling     FLASH_ATTN, one max_model_len block per request (num_gpu_blocks_override = seqs + 1)
 #   vattn       CUSTOM (vattn): vLLM's FA3 on virtually contiguous KV, block = one page-set
 #   vattn-exact vattn with VATTN_VLLM_EXACT=1: FA3 on stock's (non-TMA) kernel path
-#   vattn:s0    vattn with prefix staging off (VATTN_STAGE_PREFIXES=0); vattn:gG: G layers per range
+#   vattn:pN    vattn with N MiB of packs (VATTN_PACK_MB; default 1024 with prefix caching, p0: none);
+#   vattn:s1    with prefix staging on (VATTN_STAGE_PREFIXES=1; default off); vattn:gG: G layers per range
 # Needs vLLM 0.26.0 importable (from PYTHONPATH, or a staged directory VATTN_VLLM_SITE). A failed
 # smoke stage stops the run unless VATTN_CONTINUE=1.
 #   VATTN_STAGES     stages, in order (default "smoke identity throughput"; also "profile": each

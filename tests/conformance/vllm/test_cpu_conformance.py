@@ -85,6 +85,8 @@ def test_identity_with_prefix_caching_on_both_sides(tiny_model):
     assert stock.extra["vattn_each"] is None
     (each,) = vattn.extra["vattn_each"]
     assert each["pages_aliased"] == metrics["pages_aliased"] and each["map_calls"] == metrics["map_calls"]
+    before = vattn.extra["vattn_before"]                     # after start-up and the warm-up request
+    assert before["map_calls"] <= each["map_calls"] and before["pages_aliased"] < each["pages_aliased"]
     _same_schedule(stock, vattn)
     _assert_identical(stock, vattn, 12)
 

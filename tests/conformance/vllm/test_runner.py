@@ -107,16 +107,17 @@ def _engine_env(monkeypatch, name: str, modes) -> list:
     return seen
 
 
-def test_runner_staging_variant_turns_prefix_staging_off_in_its_engine(monkeypatch):
+def test_runner_staging_variant_turns_prefix_staging_on_or_off_in_its_engine(monkeypatch):
     from vattn.conformance.runners import vllm as conf
-    assert conf._base("vattn:s0") == "vattn" and conf._base("vattn:g2:s0@2") == "vattn"
-    assert conf._staging_off("vattn:g2:s0") and conf._group("vattn:g2:s0") == 2
-    assert not conf._staging_off("vattn") and not conf._staging_off("stock@2")
-    for bad in ("stock:s0", "vattn:s1", "vattn:s0:s0", "vattn:g2:g4"):
+    assert conf._base("vattn:s0") == "vattn" and conf._base("vattn:g2:s1@2") == "vattn"
+    assert conf._staging("vattn:g2:s0") == "0" and conf._group("vattn:g2:s0") == 2
+    assert conf._staging("vattn:s1:p0") == "1" and conf._pack_mb("vattn:s1:p0") == 0
+    assert conf._staging("vattn") is None and conf._staging("stock@2") is None
+    for bad in ("stock:s0", "vattn:s2", "vattn:s0:s1", "vattn:g2:g4"):
         assert conf._base(bad) == bad
         with pytest.raises(ConfigError, match="vattn:s0"):
             conf.VllmRunner(device="cuda", modes=("stock", bad))
-    assert _engine_env(monkeypatch, "VATTN_STAGE_PREFIXES", ("vattn", "vattn:s0")) == [None, "0"]
+    assert _engine_env(monkeypatch, "VATTN_STAGE_PREFIXES", ("vattn", "vattn:s0", "vattn:s1")) == [None, "0", "1"]
 
 
 def test_runner_pack_variant_gives_its_engine_a_pack_budget(monkeypatch):
