@@ -167,12 +167,19 @@ STAGE_PREFIXES_ENV = "VATTN_STAGE_PREFIXES"
 
 
 PACK_MB_ENV = "VATTN_PACK_MB"
+PACK_SETS_ENV = "VATTN_PACK_SETS"
 
 
 def pack_mb(default: int = 0) -> int:
     """``$VATTN_PACK_MB``: MiB of device memory an engine adapter gives packs (``pack_pages``),
     on top of the KV pool; unset: the adapter's ``default`` (0: off)."""
     return env_int(PACK_MB_ENV, default, minimum=0)
+
+
+def pack_sets() -> int:
+    """``$VATTN_PACK_SETS``: page-sets per pack (``pack_sets``; a power of 2, checked by
+    :class:`KVCacheConfig`), default 8."""
+    return env_int(PACK_SETS_ENV, 8, minimum=2)
 
 
 def stage_prefixes(default: bool = True) -> bool:

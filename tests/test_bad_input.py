@@ -177,6 +177,11 @@ def _stage_env():
     return stage_prefixes()
 
 
+def _pack_env():
+    from vattn.core.config import pack_mb, pack_sets
+    return pack_mb(), pack_sets()
+
+
 def _with_env(call: Callable[[], object], **values) -> Callable[[], object]:
     """``call`` with environment variables set (restored afterwards)."""
     def wrapped():
@@ -502,6 +507,10 @@ CASES = [
          _with_env(_vllm("exact_kernel_path"), VATTN_VLLM_EXACT="yes")),
     Case("stage-prefixes-env", "core.config.stage_prefixes", "VATTN_STAGE_PREFIXES=on", ConfigError,
          "VATTN_STAGE_PREFIXES must be 0 or 1", _with_env(_stage_env, VATTN_STAGE_PREFIXES="on")),
+    Case("pack-mb-env", "core.config.pack_mb", "VATTN_PACK_MB=-1", ConfigError,
+         "VATTN_PACK_MB must be", _with_env(_pack_env, VATTN_PACK_MB="-1")),
+    Case("pack-sets-env", "core.config.pack_sets", "VATTN_PACK_SETS=1", ConfigError,
+         "VATTN_PACK_SETS must be", _with_env(_pack_env, VATTN_PACK_SETS="1")),
     Case("vllm-version", "adapters.vllm.version.check_version", '"0.5.0"', UnsupportedError,
          "was verified on vLLM", _call("vattn.adapters.vllm.version", "check_version", "0.5.0")),
     # -- the SGLang adapter's sizing ---------------------------------------------------------------

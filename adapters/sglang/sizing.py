@@ -32,7 +32,7 @@ import numbers
 import torch
 
 from vattn.core import KVCacheConfig
-from vattn.core.config import env_int, pack_mb
+from vattn.core.config import env_int, pack_mb, pack_sets
 from vattn.core.errors import ConfigError
 from vattn.core.layout import KVLayout, layout_report
 
@@ -173,7 +173,7 @@ def cache_config(*, num_tokens: int, dtype: torch.dtype, head_num: int, head_dim
                 max_context=max_context, group_size=group_size, page_bytes=page_bytes,
                 device=device, map_ahead_tokens=map_ahead_tokens,
                 # packs of shared runs beside the pool (VATTN_PACK_MB, default 0: off)
-                pack_pages=pack_mb() * 2**20 // page_bytes, pack_sets=env_int("VATTN_PACK_SETS", 8, minimum=2))
+                pack_pages=pack_mb() * 2**20 // page_bytes, pack_sets=pack_sets())
     probe = KVCacheConfig(**base, max_slots=1)
     layout = KVLayout.from_config(probe, page_bytes)
     # page-sets holding num_tokens tokens; one page-set serves one request, so also enough of

@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-from vattn.core.config import pack_mb, stage_prefixes
+from vattn.core.config import pack_mb, pack_sets, stage_prefixes
 from vattn.core.errors import ConfigError, UnsupportedError
 
 from . import gpu_layout
@@ -104,7 +104,8 @@ def start_runtime(kv_cache_config, *, device, max_num_reqs: int, max_model_len: 
                                   head_dim=spec.head_size, dtype=spec.dtype,
                                   num_blocks=kv_cache_config.num_blocks, max_num_reqs=max_num_reqs,
                                   max_model_len=max_model_len, device=str(device), exact=exact,
-                                  pack_mb=pack_mb(gpu_layout.PACK_MB_DEFAULT) if prefix_caching else 0)
+                                  pack_mb=pack_mb(gpu_layout.PACK_MB_DEFAULT) if prefix_caching else 0,
+                                  pack_sets=pack_sets())
     page_set = cfg.num_layers // cfg.group_size * gpu_layout.PAGE_BYTES
     block = gpu_layout.tokens_per_page(num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                        dtype=cfg.dtype, group_size=cfg.group_size)

@@ -111,7 +111,8 @@ def block_size_for_vllm(vllm_config) -> int:
 
 def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  num_blocks: int, max_num_reqs: int, max_model_len: int, device: str,
-                 group_size: int | None = None, exact: bool = False, pack_mb: int = 0) -> KVCacheConfig:
+                 group_size: int | None = None, exact: bool = False, pack_mb: int = 0,
+                 pack_sets: int = 8) -> KVCacheConfig:
     """The :class:`KVCacheConfig` matching vLLM's block accounting.
 
     ``page_budget`` = ``num_blocks`` page-sets: one for the padding slot (vLLM keeps block 0 as
@@ -130,8 +131,9 @@ def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
     runner's one stream, where vattn records each release's fence, so under memory pressure a
     released slot's pages go to a growing request without the host waiting for the step in
     flight (their old mapping is unmapped once it completes). ``pack_mb`` (``$VATTN_PACK_MB``):
-    device memory beyond vLLM's blocks for packs of shared runs of 8 page-sets (one map call per
-    range for a hit on them instead of one per page; docs/shared-prefix-packs.md), 0: off.
+    device memory beyond vLLM's blocks for packs of shared runs of ``pack_sets`` page-sets
+    (``$VATTN_PACK_SETS``; one map call per range for a hit on them instead of one per page;
+    docs/shared-prefix-packs.md), 0: off.
     """
     group = group_size_for(num_layers) if group_size is None else group_size
     block = tokens_per_page(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, group_size=group)
@@ -143,7 +145,7 @@ def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
                          group_size=group, page_budget=num_blocks * page_set, page_bytes=PAGE_BYTES,
                          device=device, map_ahead_tokens=block,
                          stream_ordered=torch.device(device).type == "cuda",
-                         pack_pages=pack_mb * 2**20 // PAGE_BYTES)
+                         pack_pages=pack_mb * 2**20 // PAGE_BYTES, pack_sets=pack_sets)
 
 
 def check_engine_config(vllm_config) -> None:

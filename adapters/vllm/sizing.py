@@ -14,7 +14,7 @@ import os
 import re
 
 from vattn.core import KVCacheConfig
-from vattn.core.config import env_int, pack_mb
+from vattn.core.config import pack_mb, pack_sets
 from vattn.core.errors import ConfigError
 from vattn.core.layout import KVLayout
 
@@ -63,7 +63,7 @@ def config_from_vllm(vllm_config, *, device: str, num_blocks: int | None = None)
                           f"(--no-enable-prefix-caching)")
     # packs of shared runs (VATTN_PACK_MB; off by default on the CPU runner, whose pages are a
     # block each; VATTN_PACK_SETS page-sets each, default 8)
-    packs = dict(pack_pages=pack_mb() * 2**20 // page, pack_sets=env_int("VATTN_PACK_SETS", 8, minimum=2))
+    packs = dict(pack_pages=pack_mb() * 2**20 // page, pack_sets=pack_sets())
     if num_blocks is None:
         return dataclasses.replace(cfg, page_bytes=page, **packs)
     return dataclasses.replace(cfg, page_bytes=page, page_budget=(num_blocks + 1) * page * lay.num_ranges,

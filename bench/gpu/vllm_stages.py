@@ -13,7 +13,9 @@
   stock against a second stock engine was exact on 4 of 16 prompts, 2026-12-04),
   ``VATTN_IDENTITY_KV_BYTES=N`` gives every mode N bytes of KV (vLLM's
   ``kv_cache_memory_bytes``; e.g. 167772160, ~5K tokens of this model, for memory pressure:
-  vLLM preempts, vattn retires pages of just-released slots); every mode
+  vLLM preempts, vattn retires pages of just-released slots), ``VATTN_IDENTITY_PREFIX=1`` the
+  prompts on 4 shared prefixes with prefix caching on (``nocache``: the same prompts with it
+  off, the control); every mode
   judged against stock by
   :func:`vattn.conformance.identity.compare`, and ``vattn`` against ``ceiling`` (both run FA3's
   TMA prefill path, stock and ``vattn-exact`` its non-TMA one: see
@@ -119,7 +121,10 @@ def stage_identity(args) -> dict:
     free_cuda()
     lengths = [64 + (i * 389) % 1800 for i in range(16)]          # crosses many 128-token pages
     prompts = random_prompts(16, lengths, vocab_size=IDENTITY_MODEL["vocab_size"], seed=5)
-    shared = os.environ.get("VATTN_IDENTITY_PREFIX", "0") == "1"
+    # 1: shared prefixes, prefix caching as the engine's sizing has it (on); nocache: the same
+    # prompts with prefix caching off (the control: is a near-tie the cache's, or the prompts'?)
+    prefix = env_choice("VATTN_IDENTITY_PREFIX", ("0", "1", "nocache"))
+    shared, cached = prefix != "0", prefix == "1"
     if shared:   # 4 prefixes of lengths that are no multiple of a block, each shared by 4 prompts
         bases = random_prompts(4, [300, 777, 1100, 1500], vocab_size=IDENTITY_MODEL["vocab_size"], seed=9)
         prompts = [bases[i % 4] + p[:40 + 37 * i] for i, p in enumerate(prompts)]
@@ -134,10 +139,11 @@ def stage_identity(args) -> dict:
                                                             "stock vattn-exact vattn ceiling"),
                          enforce_eager=eager,
                          engine_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if inproc else None,
-                         prefix_caching=_sizing()["prefix_caching"] if shared else False,
+                         prefix_caching=_sizing()["prefix_caching"] if cached else False,
                          **({"llm_kwargs": {"kv_cache_memory_bytes": kv_bytes}} if kv_bytes else {}))
     results, errors = run_modes(runner, model, prompts, 48, logprobs=5)
-    report = {"eager": eager, "inproc": inproc, "shared_prefixes": shared, "errors": errors,
+    report = {"eager": eager, "inproc": inproc, "shared_prefixes": shared, "prefix_caching": cached,
+              "errors": errors,
               "kv_cache_memory_bytes": kv_bytes or None,
               "num_gpu_blocks": {m: r.extra.get("num_gpu_blocks") for m, r in results.items()},
               # prompt tokens each mode served from vLLM's prefix cache (shared prefixes: the

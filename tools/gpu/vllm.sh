@@ -21,6 +21,7 @@
 #                    on a machine already up, give it up to 585 on a fresh one)
 #   VATTN_MODES / VATTN_IDENTITY_MODES / VATTN_IDENTITY_EAGER / VATTN_IDENTITY_INPROC /
 #   VATTN_IDENTITY_KV_BYTES (memory pressure: the same KV bytes for every mode) /
+#   VATTN_IDENTITY_PREFIX (1: prompts on shared prefixes, prefix caching on; nocache: caching off) /
 #   VATTN_TP (tensor_parallel_size of every mode, e.g. 2 on a two-GPU machine) /
 #   VATTN_GROUP_SIZE / VATTN_REPEATS /
 #   VATTN_CUDAGRAPH_MODE (e.g. PIECEWISE, all modes alike): see bench/gpu/vllm_stages.py

@@ -290,16 +290,18 @@ def test_a_hit_ending_inside_a_block_gets_vllms_copy_of_it(fake_module):
         copy(["kv"], 9, [(4, 7)])
         assert calls == [(["kv"], 9, [(4, 7)])]
 
-@pytest.mark.parametrize("env, packs_mb, staging", [({}, gpu_layout.PACK_MB_DEFAULT, False),
-                                                     ({"VATTN_PACK_MB": "0", "VATTN_STAGE_PREFIXES": "1"}, 0, True)])
-def test_prefix_caching_defaults_to_packs_and_no_staging(fake_module, monkeypatch, env, packs_mb, staging):
-    """vLLM's prefix caching on: 1 GiB of packs beside the pool and prefix staging off unless
-    ``VATTN_PACK_MB`` / ``VATTN_STAGE_PREFIXES`` say otherwise."""
-    for name in ("VATTN_PACK_MB", "VATTN_STAGE_PREFIXES"):
+@pytest.mark.parametrize("env, packs_mb, sets, staging", [
+    ({}, gpu_layout.PACK_MB_DEFAULT, 8, False),
+    ({"VATTN_PACK_MB": "0", "VATTN_STAGE_PREFIXES": "1"}, 0, 8, True),
+    ({"VATTN_PACK_SETS": "32"}, gpu_layout.PACK_MB_DEFAULT, 32, False)])
+def test_prefix_caching_defaults_to_packs_and_no_staging(fake_module, monkeypatch, env, packs_mb, sets, staging):
+    """vLLM's prefix caching on: 1 GiB of packs of 8 page-sets beside the pool and prefix staging
+    off unless ``VATTN_PACK_MB`` / ``VATTN_PACK_SETS`` / ``VATTN_STAGE_PREFIXES`` say otherwise."""
+    for name in ("VATTN_PACK_MB", "VATTN_PACK_SETS", "VATTN_STAGE_PREFIXES"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with _sharing_tables(fake_module) as tables:
         cfg = tables.runtime.cache.config
-        assert cfg.pack_pages == packs_mb * 2**20 // gpu_layout.PAGE_BYTES
+        assert cfg.pack_pages == packs_mb * 2**20 // gpu_layout.PAGE_BYTES and cfg.pack_sets == sets
         assert tables.runtime.metrics()["stage_prefixes"] is (staging and cfg.map_ahead_tokens > 0)

@@ -273,3 +273,33 @@ def test_vattn_tp_sets_tensor_parallelism_for_every_mode(monkeypatch, tmp_path):
     assert runner.engine_args["llm_kwargs"] == {"kv_cache_memory_bytes": 1 << 30, "tensor_parallel_size": 2}
     monkeypatch.delenv("VATTN_TP")
     assert "llm_kwargs" not in vllm_stages.make_runner(str(tmp_path), "t", 8, ("stock",)).engine_args
+
+
+@pytest.mark.parametrize("prefix, shared, cached", [("1", True, True), ("nocache", True, False), ("0", False, False)])
+def test_identity_on_shared_prefixes_with_and_without_the_cache(monkeypatch, tmp_path, prefix, shared, cached):
+    """``VATTN_IDENTITY_PREFIX=nocache``: the shared-prefix prompts with prefix caching off in
+    every engine (the control for near-ties seen with the cache on)."""
+    from types import SimpleNamespace as NS
+
+    from vattn.bench.gpu import vllm_stages
+    from vattn.conformance.protocol import RunResult
+    seen = []
+
+    def fake_run_all(runner, model, prompts, new, *, logprobs):
+        seen.append((runner.engine_args, [len(p) for p in prompts]))
+        rows = [[1, 2, 3]] * len(prompts)
+        return {m: RunResult(rows, [[{t: -0.1} for t in r] for r in rows], 1.0, 10, 3, {})
+                for m in runner.modes}, {}
+    monkeypatch.setattr(vllm_stages, "run_modes", fake_run_all)
+    monkeypatch.setattr(vllm_stages, "free_cuda", lambda: None)
+    monkeypatch.setattr("vattn.conformance.models.build_model", lambda *a, **kw: str(tmp_path))
+    monkeypatch.setattr("vattn.conformance.models.check_not_degenerate", lambda ids: {"ok": True})
+    monkeypatch.setenv("VATTN_IDENTITY_MODES", "stock stock@2")
+    monkeypatch.setenv("VATTN_IDENTITY_PREFIX", prefix)
+    report = vllm_stages.stage_identity(NS(models=str(tmp_path), out=str(tmp_path)))
+    (args, lengths), = seen
+    assert report["shared_prefixes"] is shared and report["prefix_caching"] is cached
+    assert bool(args["prefix_caching"]) is cached and (min(lengths) >= 300) is shared
+    monkeypatch.setenv("VATTN_IDENTITY_PREFIX", "yes")
+    with pytest.raises(SystemExit, match="VATTN_IDENTITY_PREFIX must be one of"):
+        vllm_stages.stage_identity(NS(models=str(tmp_path), out=str(tmp_path)))
