@@ -240,27 +240,34 @@ def test_paired_engine_gone_before_a_command_is_a_typed_error(tmp_path):
     engine.close()
 
 
-def test_identity_under_memory_pressure_gives_every_mode_the_same_kv_bytes(monkeypatch, tmp_path):
-    from types import SimpleNamespace as NS
-
+def _identity_with_fakes(monkeypatch, tmp_path, extra=lambda mode: {}) -> list:
+    """The identity stage with its engines, model build and degeneracy check stood in for; each
+    run's ``(engine_args, prompt lengths)`` is appended to the list returned."""
     from vattn.bench.gpu import vllm_stages
     from vattn.conformance.protocol import RunResult
     seen = []
 
     def fake_run_all(runner, model, prompts, new, *, logprobs):
-        seen.append(runner.engine_args)
+        seen.append((runner.engine_args, [len(p) for p in prompts]))
         rows = [[1, 2, 3]] * len(prompts)
-        lp = [[{t: -0.1} for t in r] for r in rows]
-        return {m: RunResult(rows, lp, 1.0, 10, 3, {"num_gpu_blocks": 19 if m == "vattn" else 304})
+        return {m: RunResult(rows, [[{t: -0.1} for t in r] for r in rows], 1.0, 10, 3, extra(m))
                 for m in runner.modes}, {}
     monkeypatch.setattr(vllm_stages, "run_modes", fake_run_all)
     monkeypatch.setattr(vllm_stages, "free_cuda", lambda: None)
     monkeypatch.setattr("vattn.conformance.models.build_model", lambda *a, **kw: str(tmp_path))
     monkeypatch.setattr("vattn.conformance.models.check_not_degenerate", lambda ids: {"ok": True})
+    return seen
+
+
+def test_identity_under_memory_pressure_gives_every_mode_the_same_kv_bytes(monkeypatch, tmp_path):
+    from types import SimpleNamespace as NS
+
+    from vattn.bench.gpu import vllm_stages
+    seen = _identity_with_fakes(monkeypatch, tmp_path, lambda m: {"num_gpu_blocks": 19 if m == "vattn" else 304})
     monkeypatch.setenv("VATTN_IDENTITY_MODES", "stock vattn")
     monkeypatch.setenv("VATTN_IDENTITY_KV_BYTES", str(160 << 20))
     report = vllm_stages.stage_identity(NS(models=str(tmp_path), out=str(tmp_path)))
-    assert seen[0]["llm_kwargs"] == {"kv_cache_memory_bytes": 160 << 20}
+    assert seen[0][0]["llm_kwargs"] == {"kv_cache_memory_bytes": 160 << 20}
     assert report["ok"] and report["kv_cache_memory_bytes"] == 160 << 20
     assert report["num_gpu_blocks"] == {"stock": 304, "vattn": 19}
 
@@ -282,18 +289,7 @@ def test_identity_on_shared_prefixes_with_and_without_the_cache(monkeypatch, tmp
     from types import SimpleNamespace as NS
 
     from vattn.bench.gpu import vllm_stages
-    from vattn.conformance.protocol import RunResult
-    seen = []
-
-    def fake_run_all(runner, model, prompts, new, *, logprobs):
-        seen.append((runner.engine_args, [len(p) for p in prompts]))
-        rows = [[1, 2, 3]] * len(prompts)
-        return {m: RunResult(rows, [[{t: -0.1} for t in r] for r in rows], 1.0, 10, 3, {})
-                for m in runner.modes}, {}
-    monkeypatch.setattr(vllm_stages, "run_modes", fake_run_all)
-    monkeypatch.setattr(vllm_stages, "free_cuda", lambda: None)
-    monkeypatch.setattr("vattn.conformance.models.build_model", lambda *a, **kw: str(tmp_path))
-    monkeypatch.setattr("vattn.conformance.models.check_not_degenerate", lambda ids: {"ok": True})
+    seen = _identity_with_fakes(monkeypatch, tmp_path)
     monkeypatch.setenv("VATTN_IDENTITY_MODES", "stock stock@2")
     monkeypatch.setenv("VATTN_IDENTITY_PREFIX", prefix)
     report = vllm_stages.stage_identity(NS(models=str(tmp_path), out=str(tmp_path)))
