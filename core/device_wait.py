@@ -20,25 +20,31 @@ __all__ = ["DeviceWait"]
 class DeviceWait:
     """Device idle time behind :meth:`begin` ... :meth:`end` sections, per section, in a
     :class:`Histogram` (µs). ``enabled=False`` (a host run) records nothing. The events are
-    read once complete, never waited for (:meth:`collect`)."""
+    read once complete, never waited for (:meth:`collect`), and reused once read: a step
+    creates no event once the first few are made."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.hist = Histogram()
         self._open: deque = deque()
+        self._free: list = []                 # events read already, recorded again next
         self._start = None
+
+    def _event(self):
+        if self._free:
+            return self._free.pop()
+        import torch
+        return torch.cuda.Event(enable_timing=True)
 
     def begin(self) -> None:
         if self.enabled:
-            import torch
-            self._start = torch.cuda.Event(enable_timing=True)
+            self._start = self._event()
             self._start.record()
 
     def end(self) -> None:
         if self._start is None:
             return
-        import torch
-        done = torch.cuda.Event(enable_timing=True)
+        done = self._event()
         done.record()
         self._open.append((self._start, done))
         self._start = None
@@ -49,4 +55,5 @@ class DeviceWait:
         while self._open and self._open[0][1].query():
             start, done = self._open.popleft()
             self.hist.observe(start.elapsed_time(done) * 1e3)
+            self._free += (start, done)
         return self.hist

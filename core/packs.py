@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import DriverError, VattnError
 
 __all__ = ["Pack", "Packs", "SCRATCH_AREAS"]
@@ -68,7 +70,6 @@ class Packs:
         self.live: set[Pack] = set()                            # every pack not released yet
         self.spans: dict[tuple[int, int], dict[int, Pack]] = {}  # (slot, range) -> {start: pack}
         self.hits: dict[tuple, int] = {}                        # runs hit without a pack yet
-        self.held = 0                                           # pages in packs
         self._clock = 0
         self._scratch: int | None = None                        # VA of the scratch areas
         self._view = None                                       # uint8 tensor over them
@@ -81,6 +82,11 @@ class Packs:
         self.pending: list[tuple[Pack, int, int]] = []          # (pack, source slot, epoch)
         #: pages bound to a block key in this step: their bytes are written by its forward
         self.fresh: set[int] = set()
+
+    @property
+    def held(self) -> int:
+        """Physical pages the live packs hold."""
+        return len(self.live) * self.size * self.num_ranges
 
     @property
     def enabled(self) -> bool:
@@ -124,7 +130,8 @@ class Packs:
         return pack.gens == self._gens(pack.pids)
 
     def _gens(self, per_range: tuple) -> tuple:
-        return tuple(tuple(self.pool.gen[list(pids)].tolist()) for pids in per_range)
+        """Per range, the pool generations of the run's pages (one index over every range)."""
+        return tuple(map(tuple, self.pool.gen[np.asarray(per_range)].tolist()))
 
     # -- building ---------------------------------------------------------------------------------
     def create(self, start: int, per_range: tuple) -> Pack | None:
@@ -151,7 +158,6 @@ class Packs:
             self._release(old)
         self.by_key[(start, per_range[0])] = pack
         self.live.add(pack)
-        self.held += need
         self.hits.pop((start, per_range, pack.gens), None)
         return pack
 
@@ -195,13 +201,17 @@ class Packs:
         self._clear_area(area)
         area["pack"] = pack
         base = index * self.num_ranges * nbytes
-        for rng, handle in enumerate(pack.handles):
-            va = self._scratch + base + rng * nbytes
-            self.driver.map(va, nbytes, handle)
-            area["mapped"].append(va)
-            self.driver.set_access(va, nbytes)
-            self._view[base + rng * nbytes:base + (rng + 1) * nbytes].copy_(source(rng))
-            area["fence"] = self.driver.record_fence()
+        area["fence"] = None
+        try:
+            for rng, handle in enumerate(pack.handles):
+                va = self._scratch + base + rng * nbytes
+                self.driver.map(va, nbytes, handle)
+                area["mapped"].append(va)
+                self.driver.set_access(va, nbytes)
+                self._view[base + rng * nbytes:base + (rng + 1) * nbytes].copy_(source(rng))
+        finally:                                # one fence after the copies queued (all, or some)
+            if area["mapped"]:
+                area["fence"] = self.driver.record_fence()
         pack.ready = True
 
     def discard(self, pack: Pack) -> None:
@@ -236,7 +246,6 @@ class Packs:
         for handle in pack.handles:
             self.driver.release(handle)
         self.live.discard(pack)
-        self.held -= self.size * self.num_ranges
 
     # -- spans: where slots map packs --------------------------------------------------------------
     def span(self, slot: int, rng: int, index: int) -> tuple[int, Pack] | None:
@@ -282,8 +291,6 @@ class Packs:
             if pack.users != users.get(id(pack), 0):
                 raise VattnError(f"pack at {pack.start} counts {pack.users} users, "
                                  f"{users.get(id(pack), 0)} spans map it")
-        if self.held != len(self.live) * self.size * self.num_ranges:
-            raise VattnError(f"packs hold {self.held} pages by count, {len(self.live)} packs live")
 
     def close(self) -> None:
         """Release every pack and the scratch reservation (nothing may map a pack any more)."""

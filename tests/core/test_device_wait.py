@@ -68,3 +68,24 @@ def test_on_cuda_idle_time_is_counted_and_busy_time_is_not():
     torch.cuda.synchronize()
     hist = wait.collect()
     assert hist.n == 2 and hist.total_us - idle < 5_000, hist.as_dict()
+
+
+def test_events_are_reused_once_read(monkeypatch):
+    """A steady stream of sections makes no new event once the first ones are read."""
+    import torch
+    made = []
+
+    class Counted(_Event):
+        def __init__(self, enable_timing=False):
+            super().__init__(enable_timing)
+            made.append(self)
+    monkeypatch.setattr(torch.cuda, "Event", Counted)
+    _Event.clock = []
+    wait = DeviceWait(True)
+    for step in range(50):
+        wait.begin()
+        wait.end()
+        _Event.clock[-2:] = [float(step), float(step) + 0.5]   # this section's events complete
+        wait.collect()
+    assert wait.hist.n == 50 and wait.hist.total_us == pytest.approx(50 * 500.0)
+    assert len(made) == 2
