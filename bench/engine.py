@@ -56,8 +56,8 @@ def load_results(folders: str | list[str]) -> dict:
     Raises
     ------
     ConfigError
-        A folder is missing, holds no stage JSON, a stage JSON is not valid, or two folders ran
-        the same ``MODE@N`` of a workload.
+        A folder is missing, holds no stage JSON, a stage JSON is not valid, two folders ran
+        the same ``MODE@N`` of a workload, or ran it on different model shapes.
     """
     if isinstance(folders, str):
         return _load_folder(folders)
@@ -71,6 +71,11 @@ def load_results(folders: str | list[str]) -> dict:
             have = merged["workloads"].setdefault(name, report)
             if have is report:
                 continue
+            shapes = [r.get("model_preset") for r in (have, report)]
+            if shapes[0] != shapes[1]:
+                raise ConfigError(f"--results: workload {name!r} ran on model shape {shapes[0]!r} in "
+                                  f"{folders[0]!r} and on {shapes[1]!r} in {folder!r}: rounds of one "
+                                  "table must share the shape (render each shape on its own)")
             rows = {(f"{mode}@{n}" if mode in _rows(have) and "@" not in mode else mode): row
                     for mode, row in _rows(report).items()}     # a re-run in folder n: MODE@n
             same = set(_rows(have)) & set(rows)

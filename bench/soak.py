@@ -205,6 +205,10 @@ class _Soak:
         self._req_log = open(os.path.join(args.out, "requests.jsonl"), "w")
         self._sample_log = open(os.path.join(args.out, "samples.jsonl"), "w")
         self._last_progress = 0.0
+        #: when a process of the server's group that was up at the first sample was gone (an
+        #: engine process died: the API server may still answer, with errors), else None
+        self.died_at: float | None = None
+        self.halt = asyncio.Event()
 
     def on_done(self, res: Result) -> None:
         key = {"ok": "ok", "aborted": "aborted"}.get(res.status, "errors")
@@ -225,6 +229,11 @@ class _Soak:
         if snap:
             s |= {k: snap.get(k) for k in _SNAPSHOT_KEYS}
             s["snapshot_age_s"] = round(time.time() - snap["time"], 1)
+        if self.died_at is None and self.samples and s.get("procs") is not None \
+                and s["procs"] < (self.samples[0].get("procs") or 0):
+            self.died_at = s["t"]
+            print(f"[soak {s['t']:7.0f} s] the server lost a process ({self.samples[0]['procs']} -> "
+                  f"{s['procs']}): the engine died; no more requests are sent", file=sys.stderr, flush=True)
         self.samples.append(s)
         self._sample_log.write(json.dumps(s) + "\n")
         self._sample_log.flush()
@@ -244,6 +253,8 @@ class _Soak:
         while not stop.is_set():
             s = await asyncio.to_thread(self.sample)
             self.progress(s)
+            if self.died_at is not None:
+                self.halt.set()
             try:
                 await asyncio.wait_for(stop.wait(), self.args.sample_s)
             except TimeoutError:
@@ -260,7 +271,7 @@ class _Soak:
         try:
             results = await run_load(self.server.base_url, self.name, self.requests,
                                      max_in_flight=a.max_in_flight, timeout_s=a.request_timeout,
-                                     on_send=count_sent, on_done=self.on_done, stop_after_s=a.duration)
+                                     on_send=count_sent, on_done=self.on_done, stop_after_s=a.duration, halt=self.halt)
         finally:
             stop.set()
             await sampler
@@ -339,7 +350,8 @@ def run(args: argparse.Namespace) -> int:
     result = {"engine": args.engine, "engine_version": version, "mode": args.mode, "device": device,
               "model": model, "load": asdict(spec), "counts": soak.counts, "tokens": soak.tokens,
               "first_errors": soak.first_errors, "load_s": load_s, "server_start_s": server.start_s,
-              "server_alive": alive, "final_snapshot": final if args.mode == "vattn" else None,
+              "server_alive": alive and soak.died_at is None, "died_at_s": soak.died_at,
+              "final_snapshot": final if args.mode == "vattn" else None,
               "latency": soak_report.latency(results), "prefix_cache": prefix_cache,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "notes": [f"server: {' '.join(server_spec.argv[server_spec.argv.index('--port') + 2:])}"

@@ -222,11 +222,12 @@ async def _read_stream(reader, headers: dict, req: Request, res: Result, t0: flo
 
 async def run_load(base_url: str, model: str, requests: list[Request], *, max_in_flight: int = 256,
                    timeout_s: float = 600.0, on_send=None, on_done=None,
-                   stop_after_s: float | None = None) -> list[Result]:
+                   stop_after_s: float | None = None, halt: asyncio.Event | None = None) -> list[Result]:
     """Send ``requests`` at their arrival times (at most ``max_in_flight`` open at once; a request
     waits for a free place, so arrivals beyond the server's pace queue here); ``on_send(req)`` and
     ``on_done(result)`` are called as each is sent and answered; ``stop_after_s``: send nothing
-    that would arrive later (the ones sent still finish)."""
+    that would arrive later (the ones sent still finish); ``halt``: send nothing more once it is
+    set (the server died)."""
     if max_in_flight < 1:
         raise ConfigError(f"max_in_flight: expected >= 1, got {max_in_flight}")
     host, port = parse_url(base_url)
@@ -251,7 +252,8 @@ async def run_load(base_url: str, model: str, requests: list[Request], *, max_in
         if wait > 0:
             await asyncio.sleep(wait)
         await gate.acquire()
-        if stop_after_s is not None and time.monotonic() - t0 > stop_after_s:
+        if (stop_after_s is not None and time.monotonic() - t0 > stop_after_s) or \
+                (halt is not None and halt.is_set()):
             gate.release()
             break
         if on_send is not None:

@@ -68,13 +68,18 @@ def verdicts(result: dict, samples: list[dict]) -> list[tuple[str, bool, str]]:
     else:
         out.append(("no request failed", counts["errors"] == 0,
                     f"{counts['errors']} errors of {counts['sent']} sent{first}"))
+    died = result.get("died_at_s")
     out.append(("server up to the end", result.get("server_alive", False),
-                "answered /health after the load" if result.get("server_alive") else "it did not"))
+                "answered /health after the load" if result.get("server_alive") else
+                f"an engine process exited {died:,.0f} s into the load (the load was stopped there)"
+                if died is not None else "it did not"))
     for key, name, unit, slack in (("fds", "open fds flat", "", lambda g: FD_SLACK),
                                    ("rss_mb", "host RSS flat", " MB", lambda g: max(RSS_SLACK * g["q2"], RSS_FLOOR_MB)),
                                    ("gpu_mb", "GPU memory flat", " MB", lambda g: 64)):
         g = growth(samples, key)
-        if g is not None:
+        if died is not None:         # the dead processes' zeros would read as flat
+            out.append((name, False, f"not judged: the engine died {died:,.0f} s into the load"))
+        elif g is not None:
             limit = slack(g)
             out.append((name, g["growth"] <= limit,
                         f"median {g['q2']:,.0f}{unit} in the 2nd quarter, {g['q4']:,.0f}{unit} in the "

@@ -185,6 +185,7 @@ class Binding:
                 return False
         st.pages.unpack_at(*to)                       # written: its own pages, not a pack
         self.space.copy_set(at, to)
+        st.copied(at, to)
         st.counters.blocks_copied += 1
         return True
 
@@ -296,6 +297,7 @@ class Binding:
             return False
         st.pages.unpack_at(*dst)                      # written: its own pages, not a pack
         self.space.copy_set((slot, index), dst)
+        st.copied((slot, index), dst)
         tags = st.pool.tenant
         for src_page, dst_page in zip(cur, st.pages.at(*dst)):
             tags[dst_page] = tags[src_page]           # the content's tenant moves with it

@@ -75,6 +75,20 @@ class CacheState:
             return None
         return home if self.pages.at(*home) == self.keys.get(key) else None
 
+    def copied(self, *places: tuple[int, int]) -> None:
+        """A device copy reading or writing page-sets at ``places`` (``(slot, index)`` each) was
+        just queued on the current stream: each slot gets a fence recorded after it (it
+        replaces the slot's fence, recorded earlier on the same stream), so the pages there are
+        not unmapped or replaced (reclaim, a bind) before the device ran the copy — on a GPU
+        under async scheduling, it runs after the forward in flight. Not for a page-set a
+        running request reads: it stays mapped until its release, which records a later fence."""
+        fence, table = None, self.slots
+        for slot, index in places:
+            if table.active[slot] and index < table.num_read_sets(slot):
+                continue
+            fence = self.driver.record_fence() if fence is None else fence
+            table.fence[slot] = fence
+
     def wait_fence(self, slot: int) -> None:
         """Wait until the device is done with what ``slot``'s previous request read."""
         fence = self.slots.fence[slot]

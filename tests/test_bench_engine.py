@@ -198,6 +198,10 @@ def test_rounds_from_two_calls_are_merged_into_medians_per_generation(tmp_path):
         engine.load_results([str(first), str(second)])
     with pytest.raises(ConfigError, match="at least one folder"):
         engine.load_results([])
+    b["model_preset"] = "llama-1b-shape"                                    # another shape: refused
+    _write(second, "throughput_shared-prefix.json", b)
+    with pytest.raises(ConfigError, match="'llama-1b-shape' in .*render each shape on its own"):
+        engine.load_results([str(first), str(second)])
 
 
 def test_prefix_staging_shows_in_the_critical_path_cell():

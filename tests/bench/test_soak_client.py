@@ -141,6 +141,22 @@ def test_run_load_keeps_to_max_in_flight_and_the_deadline():
         parse_url("localhost")
 
 
+def test_run_load_sends_nothing_more_once_halted():
+    reqs = [Request(i, 0.0, [1, i + 7], 4, None, None) for i in range(10)]
+    halt = asyncio.Event()
+
+    def on_send(r):
+        if r.index == 3:
+            halt.set()                                  # the soak's sampler saw the engine die
+
+    async def go(fake, port):
+        return await run_load(f"http://127.0.0.1:{port}", "m", reqs, max_in_flight=2,
+                              on_send=on_send, halt=halt)
+
+    _, results = asyncio.run(_with_server(go))
+    assert sorted(r.index for r in results) == [0, 1, 2, 3]   # the ones sent still finish
+
+
 def test_a_dead_server_is_an_error_not_a_hang():
     async def go():
         server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)

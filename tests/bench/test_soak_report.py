@@ -58,6 +58,18 @@ def test_each_kind_of_trouble_fails_its_check():
     assert _failed(stock) == set() and not any("vattn" in n for n, _, _ in stock)
 
 
+def test_a_dead_engine_is_not_judged_flat():
+    """The GPU soak of 2026-12-06: the engine core died 20 s in, its processes' zeros read as
+    flat series; now each series check fails, saying why."""
+    dead = _samples(fds=lambda i: 0 if i > 5 else 100, rss=lambda i: 0.0 if i > 5 else 2000.0,
+                    gpu=lambda i: 4.0 if i > 5 else 30000.0)
+    checks = rep.verdicts(_result(server_alive=False, died_at_s=6.0), dead)
+    assert _failed(checks) == {"server up to the end", "open fds flat", "host RSS flat", "GPU memory flat"}
+    detail = dict((n, d) for n, _, d in checks)
+    assert "exited 6 s into the load" in detail["server up to the end"]
+    assert detail["GPU memory flat"] == "not judged: the engine died 6 s into the load"
+
+
 def test_markdown_and_plot(tmp_path):
     samples = _samples(fds=lambda i: 100 + i)
     text = rep.markdown(_result(), samples, title="t", command="vattn bench soak ...")

@@ -7,8 +7,11 @@ waiting for the fence and unmaps their old mapping once it completes (``SlotPage
 Besides :class:`SharingMachine`'s invariants (audit, every running request reads its blocks'
 values), after every rule the host driver maps exactly what the record says: each recorded page
 at its address, each retired position still mapped (its fence pending), nothing else; the map-
-ahead worker never takes a page whose old mapping may still be read. With driver faults too
-(an unmap failing while the old mappings are flushed): retried, nothing leaked or corrupted.
+ahead worker never takes a page whose old mapping may still be read; nothing is unmapped at an
+address a device copy queued in a step the device has not finished yet reads or writes (a copy-on-
+write of a partial hit, a cached block moved out of the way: on a GPU, an illegal address). With
+driver faults too (an unmap failing while the old mappings are flushed): retried, nothing leaked
+or corrupted.
 """
 
 from hypothesis import strategies as st
@@ -48,9 +51,42 @@ def _check_driver(cache, host: HostDriver) -> None:
 class _Lagging:
     stream_ordered = True
 
+    def __init__(self):
+        super().__init__()
+        self._guard_copies()
+
+    def teardown(self):
+        for _ in range(self.device.lag):   # close() synchronizes the device first (on a GPU)
+            self.device.tick()
+        super().teardown()
+
     def _lagging(self, inner) -> LaggingFences:
         self.device = LaggingFences(inner, lag=2)
         return self.device
+
+    def _guard_copies(self) -> None:
+        """Record the page addresses each device copy touches until the device has run it, and
+        fail an unmap of one of them before then."""
+        cache, device, host = self.cache, self.device, self.host
+        space, pages = cache._space, cache._pages
+        pending: dict[int, int] = {}               # page address -> the step its copy runs in
+        copy_set, unmap = space.copy_set, host.unmap
+
+        def copy_set_guarded(src, dst):
+            copy_set(src, dst)
+            for slot, index in (src, dst):
+                for rng in range(cache.layout.num_ranges):
+                    pending[pages.va(rng, slot, index)] = device.now + device.lag
+
+        def unmap_guarded(va, size):
+            for a in [a for a, due in pending.items() if due <= device.now]:
+                del pending[a]                     # run by the device: free to unmap
+            racing = [a for a in pending if va <= a < va + size]
+            assert not racing, (f"unmap of {len(racing)} page(s) a copy queued at step "
+                                f"{pending[racing[0]] - device.lag} still touches (the device is at "
+                                f"step {device.now})")
+            unmap(va, size)
+        space.copy_set, host.unmap = copy_set_guarded, unmap_guarded
 
     @rule(n=st.integers(1, 3))
     def device_step(self, n):
