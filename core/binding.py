@@ -115,6 +115,7 @@ class Binding:
         cur = self._fresh_set(slot, index, end)
         if cur is None:
             return False
+        st.pool.rewrite(cur)                          # new content: packs of the old go stale
         held.bind(key, cur, (slot, index))
         st.counters.keys_bound += 1
         return True
@@ -125,7 +126,9 @@ class Binding:
         st = self.state
         pages = st.pages
         cur = pages.at(slot, index)
-        if cur is not None:                           # a pack maps there: its own pages first
+        if cur is not None and pages.packed_at(slot, index):   # a pack maps there: its own
+            st.settle(slot)                           # pages first, once the device is done with
+            st.wait_fence(slot)                       # what reads the pack there
             pages.unpack_at(slot, index)
             cur = pages.at(slot, index)
         if cur is None:                               # the next page-set: map it from the pool
@@ -183,11 +186,20 @@ class Binding:
             at = self._park(src, sets[0], avoid=to[0])
             if at is None:
                 return False
-        st.pages.unpack_at(*to)                       # written: its own pages, not a pack
+        self._unpack_for_write(*to)
         self.space.copy_set(at, to)
         st.copied(at, to)
         st.counters.blocks_copied += 1
         return True
+
+    def _unpack_for_write(self, slot: int, index: int) -> None:
+        """A copy writes page-set ``index`` of ``slot``: its own pages, not a pack, mapped there
+        (an unpack waits until the device is done with what reads the pack there)."""
+        st = self.state
+        if st.pages.packed_at(slot, index):
+            st.settle(slot)
+            st.wait_fence(slot)
+            st.pages.unpack_at(slot, index)
 
     def _mapped_at(self, key, pids: tuple[int, ...]) -> tuple[int, int] | None:
         """Where ``key``'s page-set is mapped: its home if the mapping there is still its own,
@@ -295,7 +307,7 @@ class Binding:
             dst = self._spare_place(slot)
         if dst is None:
             return False
-        st.pages.unpack_at(*dst)                      # written: its own pages, not a pack
+        self._unpack_for_write(*dst)
         self.space.copy_set((slot, index), dst)
         st.copied((slot, index), dst)
         tags = st.pool.tenant

@@ -59,8 +59,9 @@ class PackRuns:
         replacing what is there; the record names the run's own pages, each gaining a reference."""
         size, nbytes = self.packs.size, self.layout.page_bytes
         found = self.packs.span(slot, rng, start)
-        if found is not None and found[1] is pack:
-            return 0                            # already there
+        if found is not None and found[1] is pack:   # already there: a retry after its access
+            self._restore_access(slot, rng)          # call failed grants it (else no call)
+            return 0
         pages = self.mapped[slot][rng]
         prev = self.num_accessible[slot][rng]
         self.num_accessible[slot][rng] = min(prev, start)
@@ -163,6 +164,10 @@ class PackRuns:
         if failed is not None:
             raise failed
         return freed
+
+    def packed_at(self, slot: int, index: int) -> bool:
+        """Whether a pack maps position ``index`` of ``slot`` in some range."""
+        return any(self._span(slot, rng, index) is not None for rng in range(len(self.bases)))
 
     def unpack_at(self, slot: int, index: int) -> None:
         """Map position ``index`` of ``slot`` to its own pages in every range (a pack run there

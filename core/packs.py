@@ -239,6 +239,8 @@ class Packs:
         area["pack"] = None
 
     def _release(self, pack: Pack) -> None:
+        if self.by_key.get((pack.start, pack.pids[0])) is pack:   # (an LRU drop: no lookup finds it)
+            del self.by_key[(pack.start, pack.pids[0])]
         self.pending = [entry for entry in self.pending if entry[0] is not pack]
         for area in self._areas:                # a scratch mapping of it: gone first
             if area["pack"] is pack:

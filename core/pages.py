@@ -64,8 +64,9 @@ class PagePool:
         #: page freed later, while it is pending, goes to ``_fenced`` too)
         self._until: dict[int, object] = {}
         self.refs = np.zeros(num_pages, dtype=np.int32)   # mappings + bound keys; 0 <=> free
-        #: times each page was taken from the free list: a page with the same generation still
-        #: holds the content it held (what a pack copied from it, :mod:`.packs`)
+        #: times each page was taken from the free list or rewritten in place (:meth:`rewrite`): a
+        #: page with the same generation still holds the content it held (what a pack copied
+        #: from it, :mod:`.packs`)
         self.gen = np.zeros(num_pages, dtype=np.int64)
 
     @property
@@ -98,6 +99,11 @@ class PagePool:
         self.refs[ids] = 1
         self.gen[ids] += 1
         return ids
+
+    def rewrite(self, ids) -> None:
+        """Pages about to take new content where they are (a fresh block bound to pages a slot
+        kept mapped): their generation moves on, so a pack copied from them no longer matches."""
+        self.gen[list(ids)] += 1
 
     def ref(self, ids) -> None:
         """One more reference to each page in ``ids`` (none may be free)."""

@@ -14,8 +14,10 @@ driver faults too (an unmap failing while the old mappings are flushed): retried
 or corrupted.
 """
 
+import pytest
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant, rule
+from hypothesis.stateful import invariant, rule, run_state_machine_as_test
 
 from vattn.core.driver import HostDriver
 from vattn.core.driver.faults import FaultInjector
@@ -59,6 +61,17 @@ class _Lagging:
         for _ in range(self.device.lag):   # close() synchronizes the device first (on a GPU)
             self.device.tick()
         super().teardown()
+
+    def _admitted(self, slot, blocks, hit):
+        """Before the machine reads a bound request's blocks: each is mapped and accessible (the
+        host backend would end the process on the read: a segfault hypothesis cannot shrink)."""
+        pages = self.cache._pages
+        for index in range(len(blocks)):
+            for rng in range(self.cache.layout.num_ranges):
+                va = pages.va(rng, slot, index)
+                assert self.host.mapped_handle(va) is not None and va in self.host._access, \
+                    f"block {index} of slot {slot} (range {rng}) is not mapped and accessible after its bind"
+        super()._admitted(slot, blocks, hit)
 
     def _lagging(self, inner) -> LaggingFences:
         self.device = LaggingFences(inner, lag=2)
@@ -123,14 +136,46 @@ def test_sharing_with_a_lagging_device_and_driver_faults():
     assert t["pages_retired"] > 50 and t["kills"] > 20, t
 
 
+class PackedLaggingSharingMachine(LaggingSharingMachine):
+    """Packs on with the device trailing (vLLM's GPU runner by default with prefix caching): a
+    pack's run maps the pack's allocation (checked against the driver), is never retired (a trim
+    over it waits for the fence), and no unmap or unpack lands under a copy in flight."""
+    pack_pages = 8
+
+
+def test_sharing_with_packs_and_a_lagging_device():
+    t = run_machine(PackedLaggingSharingMachine, steps=200)
+    assert t["packs_built"] > 20 and t["pages_packed"] > 10 and t["pack_unpacks"] > 0, t
+    assert t["prefix_hits"] > 1000 and t["copied"] > 500, t
+
+
 class PackedLaggingFaultySharingMachine(LaggingFaultySharingMachine):
-    """All of the above with packs on: a pack's run maps the pack's allocation (checked against
-    the driver), is never retired (a trim over it waits for the fence) and survives faults in
-    its build, map and unpack."""
+    """All of the above with driver faults too: builds, maps and unpacks of packs fail."""
     pack_pages = 8
 
 
 def test_sharing_with_packs_a_lagging_device_and_driver_faults():
-    t = run_machine(PackedLaggingFaultySharingMachine, steps=80)
-    assert t["packs_built"] > 5 and t["pages_packed"] > 10 and t["pack_unpacks"] > 5, t
-    assert t["prefix_hits"] > 50, t
+    t = run_machine(PackedLaggingFaultySharingMachine, steps=120)
+    assert t["packs_built"] > 5 and t["pages_packed"] > 10, t
+    assert t["prefix_hits"] > 50 and t["kills"] > 20, t
+
+
+def test_a_pack_whose_access_call_failed_gets_it_on_the_retry():
+    """Found by 120-rule runs (2026-12-06): a hit mapped a pack, its access call failed, the
+    bind's retry found the pack in place and returned without granting access; the request then
+    read memory it could not (a segfault on the host, an illegal address on a GPU)."""
+    m = PackedLaggingFaultySharingMachine()
+    try:
+        m.admit(choice=0, fresh=1, hit_len=0)
+        m.grow(late=False, n=1, pick=0)
+        m.finish(pick=0)
+        m.admit(choice=0, fresh=1, hit_len=2)
+        m.finish(pick=0)
+        for hit_len in (0, 2, 2):
+            m.admit(choice=0, fresh=1, hit_len=hit_len)
+        m.admit_faulty(choice=1, fresh=1, hit_len=3, kinds=("set_access",), rate=0.1, seed=3774)
+        assert m.driver.injected["set_access"] == 2 and m.cache.metrics()["pages_packed"] > 0
+        m.driver_maps_the_record()
+        m.shared_content_and_accounting()
+    finally:
+        m.teardown()

@@ -292,3 +292,27 @@ def test_sharing_state_machine_with_packs():
     t = run_machine(PackedMachine, steps=120)
     assert t["packs_built"] > 10 and t["pages_packed"] > 10 and t["pack_unpacks"] > 5, t
     assert t["prefix_hits"] > 100 and t["page_sets_moved"] > 10 and t["copied"] > 50, t
+
+
+def test_a_pack_of_pages_rewritten_in_place_is_not_mapped():
+    """Found by 200-rule runs (2026-12-06): a cached block moved out of a new request's way
+    leaves its pages where they are for the new block; a pack copied from them still matched
+    their pool generations, and a later hit mapped the pack: the old block's content under the
+    new block's key. A fresh block bound to kept pages now moves their generation on."""
+    m = PackedMachine()
+    try:
+        admit = [(0, 3, 0), (0, 1, 0), (0, 1, 0), (0, 1, 2), (0, 1, 1), (0, 1, 0), (0, 1, 0), (33, 1, 2),
+                 (1, 1, 1), (41, 1, 2)]                 # (choice, fresh, hit_len)
+        order = "AFAFAFAFAFAAFFAFAFRA"                    # admit, finish, reclaim
+        for rule in order:
+            if rule == "A":
+                choice, fresh, hit_len = admit.pop(0)
+                m.admit(choice=choice, fresh=fresh, hit_len=hit_len)   # its hits read their blocks
+            elif rule == "F":
+                m.finish(pick=0)
+            else:
+                m.reclaim(pages=1)
+            m.shared_content_and_accounting()
+        assert m.cache.metrics()["page_sets_moved"] >= 1      # blocks were moved out of the way
+    finally:
+        m.teardown()
