@@ -14,10 +14,8 @@ driver faults too (an unmap failing while the old mappings are flushed): retried
 or corrupted.
 """
 
-import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import invariant, rule
 
 from vattn.core.driver import HostDriver
 from vattn.core.driver.faults import FaultInjector

@@ -304,11 +304,11 @@ def test_a_pack_of_pages_rewritten_in_place_is_not_mapped():
         admit = [(0, 3, 0), (0, 1, 0), (0, 1, 0), (0, 1, 2), (0, 1, 1), (0, 1, 0), (0, 1, 0), (33, 1, 2),
                  (1, 1, 1), (41, 1, 2)]                 # (choice, fresh, hit_len)
         order = "AFAFAFAFAFAAFFAFAFRA"                    # admit, finish, reclaim
-        for rule in order:
-            if rule == "A":
+        for step in order:
+            if step == "A":
                 choice, fresh, hit_len = admit.pop(0)
                 m.admit(choice=choice, fresh=fresh, hit_len=hit_len)   # its hits read their blocks
-            elif rule == "F":
+            elif step == "F":
                 m.finish(pick=0)
             else:
                 m.reclaim(pages=1)
