@@ -5,9 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 .venv/bin/python -m pytest "$@"
-if [[ "${VATTN_SLOW:-}" == 1 ]]; then   # on demand: the 10^6-operation state machine (minutes)
-  echo "== slow tests"
-  .venv/bin/python -m pytest -q -m slow tests/core/test_state_machine.py
+if [[ "${VATTN_SLOW:-}" == 1 ]]; then   # on demand: the 10^6-operation state machine (minutes),
+  echo "== slow tests"                  # 300-rule runs of the sharing machines
+  .venv/bin/python -m pytest -q -m slow tests/core/test_state_machine.py tests/core/test_sharing_lag_machine.py
 fi
 echo "== Triton kernels on the CPU interpreter"
 TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/core tests/adapters/vllm/test_gpu_tables.py -k interpreter

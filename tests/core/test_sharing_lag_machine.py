@@ -14,6 +14,7 @@ driver faults too (an unmap failing while the old mappings are flushed): retried
 or corrupted.
 """
 
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
@@ -177,3 +178,12 @@ def test_a_pack_whose_access_call_failed_gets_it_on_the_retry():
         m.shared_content_and_accounting()
     finally:
         m.teardown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("machine", [PackedLaggingSharingMachine, PackedLaggingFaultySharingMachine,
+                                     LaggingFaultySharingMachine], ids=lambda m: m.__name__)
+def test_sharing_machines_300_rules(machine):
+    """Longer runs than CI's (they found the packs' bugs of 2026-12-06): ``VATTN_SLOW=1``."""
+    t = run_machine(machine, steps=300)
+    assert t["prefix_hits"] > 1000, t
