@@ -141,7 +141,7 @@ def gpu_used_mb() -> float | None:
 
 
 _SNAPSHOT_KEYS = ("pages_mapped", "pages_free", "pages_total", "active_slots", "keys_held",
-                  "requests_holding_slots", "idle", "steps")
+                  "requests_holding_slots", "idle", "steps", "mapped_bytes")
 
 
 def _model_limits(model: str, engine_args: list[str]) -> tuple[int, int]:

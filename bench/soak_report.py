@@ -11,7 +11,8 @@ group (``rss_mb``, ``fds``, ``threads``, ``procs``), the GPU's used memory (``gp
 pages filling; medians, because RSS jumps by tens of MB from sample to sample): a series is flat
 when it grew by at most its tolerance between them (fds: :data:`FD_SLACK`; RSS:
 :data:`RSS_SLACK` of its value; GPU memory: 64 MB). On the host backend the KV pages are host
-memory, so the server's RSS grows while vattn maps pages and levels off once the pool is full.
+memory, so the server's RSS grows while vattn maps pages: there RSS is judged net of vattn's
+mapped bytes (the engine's snapshots).
 """
 
 from __future__ import annotations
@@ -68,6 +69,10 @@ def verdicts(result: dict, samples: list[dict]) -> list[tuple[str, bool, str]]:
     else:
         out.append(("no request failed", counts["errors"] == 0,
                     f"{counts['errors']} errors of {counts['sent']} sent{first}"))
+    if result.get("device") == "cpu":    # the host backend's KV pages are the server's own RSS:
+        samples = [s | {"rss_mb": s["rss_mb"] - s["mapped_bytes"] / 2**20}    # judged net of them
+                   if s.get("rss_mb") is not None and s.get("mapped_bytes") is not None else s
+                   for s in samples]
     died = result.get("died_at_s")
     out.append(("server up to the end", result.get("server_alive", False),
                 "answered /health after the load" if result.get("server_alive") else

@@ -58,6 +58,18 @@ def test_each_kind_of_trouble_fails_its_check():
     assert _failed(stock) == set() and not any("vattn" in n for n, _, _ in stock)
 
 
+def test_on_the_host_backend_rss_is_judged_net_of_the_kv_pages():
+    grows = _samples(rss=lambda i: 2000.0 + 5 * i)                  # +100 MB over the run
+    for i, s in enumerate(grows[:-1]):
+        s["mapped_bytes"] = 5 * i * 2**20                           # all of it vattn's pages
+    assert "host RSS flat" in _failed(rep.verdicts(_result(device="cuda"), grows))
+    assert _failed(rep.verdicts(_result(device="cpu"), grows)) == set()
+    leak = _samples(rss=lambda i: 2000.0 + 5 * i)
+    for s in leak[:-1]:
+        s["mapped_bytes"] = 0
+    assert "host RSS flat" in _failed(rep.verdicts(_result(device="cpu"), leak))
+
+
 def test_a_dead_engine_is_not_judged_flat():
     """The GPU soak of 2026-12-06: the engine core died 20 s in, its processes' zeros read as
     flat series; now each series check fails, saying why."""
