@@ -125,12 +125,9 @@ class Binding:
         for the slot's tenant (``None``: the pool ran short)."""
         st = self.state
         pages = st.pages
+        if pages.at(slot, index) is not None:         # a pack maps there: its own pages first
+            self._unpack_for_write(slot, index)
         cur = pages.at(slot, index)
-        if cur is not None and pages.packed_at(slot, index):   # a pack maps there: its own
-            st.settle(slot)                           # pages first, once the device is done with
-            st.wait_fence(slot)                       # what reads the pack there
-            pages.unpack_at(slot, index)
-            cur = pages.at(slot, index)
         if cur is None:                               # the next page-set: map it from the pool
             if not self.growth.grow(slot, index + 1, {slot: index + 1}, False)[0]:
                 return None
