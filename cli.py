@@ -36,6 +36,7 @@ _BENCHES = {
     "faults": ("vattn.bench.faults", "driver faults and a dry page pool inside a running vLLM engine"),
     "soak": ("vattn.bench.soak", "an engine server under mixed load with aborts: memory, fds, pages, audit"),
     "sched": ("vattn.bench.sched", "the engine core's prefix-cache bookkeeping per generation (vLLM's KVCacheManager)"),
+    "steps": ("vattn.bench.steps", "a GPU run's step traces: vattn's host time, device idle and driver calls per step"),
     "aliasing": ("vattn.bench.aliasing", "decode over a shared prefix: private copies vs aliased pages vs one region"),
 }
 

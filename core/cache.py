@@ -450,6 +450,12 @@ class VirtualKVCache:
         cap = self.capacity()
         return cap.idle_slots > 0 and cap.free_page_sets >= self.layout.pages_for(num_tokens)
 
+    @property
+    def counters(self) -> Counters:
+        """The live event counters (read them, never write; :meth:`metrics` copies them under
+        the lock)."""
+        return self._counters
+
     def metrics(self) -> dict:
         """Gauges and counters as a plain dict (see :func:`prometheus_collector`)."""
         with self._cond:

@@ -23,8 +23,10 @@ class DeviceWait:
     read once complete, never waited for (:meth:`collect`), and reused once read: a step
     creates no event once the first few are made."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, sink=None):
         self.enabled = enabled
+        #: ``sink(idle_us)`` for each section in order, as its events complete (a step trace)
+        self.sink = sink
         self.hist = Histogram()
         self._open: deque = deque()
         self._free: list = []                 # events read already, recorded again next
@@ -41,6 +43,11 @@ class DeviceWait:
             self._start = self._event()
             self._start.record()
 
+    def busy(self) -> bool | None:
+        """Whether the device was still working through earlier work when the open section
+        began (``None``: no section open, or a host run)."""
+        return None if self._start is None else not self._start.query()
+
     def end(self) -> None:
         if self._start is None:
             return
@@ -54,6 +61,9 @@ class DeviceWait:
         """Fold in the sections whose events have completed; returns the histogram."""
         while self._open and self._open[0][1].query():
             start, done = self._open.popleft()
-            self.hist.observe(start.elapsed_time(done) * 1e3)
+            idle_us = start.elapsed_time(done) * 1e3
+            self.hist.observe(idle_us)
+            if self.sink is not None:
+                self.sink(idle_us)
             self._free += (start, done)
         return self.hist

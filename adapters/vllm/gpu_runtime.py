@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from vattn.core import KVCacheConfig, VirtualKVCache, snapshots
+from vattn.core import KVCacheConfig, VirtualKVCache, snapshots, step_trace
 from vattn.core.layout import cache_layout_row
 from vattn.core.config import DRIVER_RETRIES_ENV, driver_retries
 from vattn.core.device_wait import DeviceWait
@@ -106,7 +106,10 @@ class GpuRuntime:
         self._kv: dict[int, torch.Tensor] = {}
         self.step_us = Histogram()             # host time of apply() (ensure + upload) per step
         #: device idle time behind apply() per step: the part of step_us the GPU waited for
-        self.device_wait = DeviceWait(config.torch_device.type == "cuda")
+        #: ``$VATTN_STEP_TRACE``: one row per apply() (when, requests bound, driver calls)
+        self.trace = step_trace.from_env(lambda: self.cache.counters)
+        self.device_wait = DeviceWait(config.torch_device.type == "cuda",
+                                      sink=None if self.trace is None else self.trace.idle)
         self.blocks_us = Histogram()           # host time of on_blocks() (incl. acquire) per call
         # every slot starts with an even share of the pool mapped: vLLM hands out blocks of a
         # pool it sized up front, so mapping it now takes the VMM calls off the step's path;
@@ -115,6 +118,9 @@ class GpuRuntime:
         self.prewarmed_pages = self.cache.prewarm()
         self.prewarm_s = time.perf_counter() - warm_start
         self.init_s = time.perf_counter() - start
+        if self.trace is not None:
+            self.trace.header |= {"cache": self.cache.summary(prewarm_s=self.prewarm_s),
+                                  "sharing": self.sharing, "staging": self.staging}
         #: ``$VATTN_METRICS`` snapshots (each step, and with the page audit once idle for 1 s)
         self.snapshots = snapshots.from_env(self.snapshot, audit=self.cache.audit, idle_s=1.0)
 
@@ -165,6 +171,10 @@ class GpuRuntime:
         """
         start = time.perf_counter()
         self.device_wait.begin()
+        if self.trace is not None:
+            self.trace.begin()
+            traced = {"binds": len(self._binds), "copies": len(self._copies), "steps": len(self._pending),
+                      "busy": self.device_wait.busy()}
         stage: list[tuple[list, int]] = []     # (prefix blocks, idle copies wanted)
         if self._binds:
             # new requests come before running ones here (vLLM adds them first), but a new one
@@ -198,6 +208,8 @@ class GpuRuntime:
         for keys, copies in stage:                    # queued for the map-ahead worker
             self.cache.stage_prefix(keys, copies)
         self.device_wait.end()
+        if self.trace is not None:
+            self.trace.end(**traced)
         self.step_us.observe((time.perf_counter() - start) * 1e6)
         if self.snapshots is not None:
             self.snapshots.step()
@@ -235,7 +247,11 @@ class GpuRuntime:
 
     # -- reporting ---------------------------------------------------------------------------------
     def metrics(self) -> dict:
-        """Core metrics plus this adapter's step timing and the layout's worst-case waste."""
+        """Core metrics plus this adapter's step timing and the layout's worst-case waste (with
+        ``$VATTN_STEP_TRACE``, the step trace is written too)."""
+        if self.trace is not None:
+            self.device_wait.collect()
+            self.trace.write()
         return self.cache.metrics() | {
             "apply_step_us": self.step_us.as_dict(), "on_blocks_us": self.blocks_us.as_dict(),
             "apply_device_wait_us": self.device_wait.collect().as_dict(),

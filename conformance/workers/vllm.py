@@ -82,15 +82,16 @@ def generate(spec: dict) -> dict:
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)  # warm-up
     steps = _schedule_recorder(llm)
-    times, cached, each = [], [], []
+    times, cached, each, walls = [], [], [], []
     vattn = os.environ.get("VATTN_VLLM") == "1"
     before = generation_counters(_metrics(llm)) if vattn else None   # start-up and warm-up
     for _ in range(max(1, int(spec.get("repeats", 1)))):   # the same batch again: run-to-run spread
         if steps is not None:
             steps.clear()                                   # the last run's schedule is kept
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
+        walls.append([round(wall, 4), round(time.time(), 4)])   # to place a step trace's rows
         cached.append(sum(o.num_cached_tokens or 0 for o in outs))   # prefix-cache hits
         if vattn:
             each.append(generation_counters(_metrics(llm)))
@@ -112,6 +113,7 @@ def generate(spec: dict) -> dict:
                 extra={"mode": spec["mode"], "vattn": os.environ.get("VATTN_VLLM") == "1",
                        "init_s": round(init_s, 2), "num_gpu_blocks": blocks,
                        "seconds_each": [round(t, 4) for t in times], "cached_tokens_each": cached,
+                       "wall_each": walls,
                        # per request, the prompt tokens vLLM's prefix cache served (None: not reported)
                        "num_cached_tokens": [o.num_cached_tokens for o in outs],
                        "schedule": _by_prompt(steps, outs),

@@ -89,3 +89,21 @@ def test_events_are_reused_once_read(monkeypatch):
         wait.collect()
     assert wait.hist.n == 50 and wait.hist.total_us == pytest.approx(50 * 500.0)
     assert len(made) == 2
+
+
+def test_busy_and_the_sink_follow_the_events(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    _Event.clock = []
+    seen = []
+    wait = DeviceWait(True, sink=seen.append)
+    assert wait.busy() is None                   # no section open
+    wait.begin()
+    assert wait.busy() is True                   # its start event has not completed
+    wait.end()
+    _Event.clock[0:2] = [5.0, 6.0]
+    wait.collect()
+    assert seen == [pytest.approx(1000.0)]
+    wait.begin()
+    _Event.clock[2] = 7.0                        # everything before it already done
+    assert wait.busy() is False

@@ -44,6 +44,9 @@ mkdir -p "$R/logs"
 use_engine vllm
 export VLLM_USE_V2_MODEL_RUNNER=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1
 export VATTN_MODELS=${VATTN_MODELS:-/tmp/vattn-models}
+# VATTN_TRACE_STEPS=1: each vattn engine writes its step trace (core/step_trace.py) to
+# steps/<engine pid>.json in the results (read it with `vattn bench steps`)
+[ "${VATTN_TRACE_STEPS:-0}" = 1 ] && export VATTN_STEP_TRACE="$R/steps/{pid}.json"
 
 start_packer vllm   # pack(): engine_lib.sh
 

@@ -1,0 +1,163 @@
+"""``vattn bench steps``: a run's step traces (``VATTN_STEP_TRACE``) as a timeline per generation.
+
+Each vattn engine of a GPU stage run with ``VATTN_TRACE_STEPS=1`` leaves ``steps/<pid>.json``
+(:mod:`vattn.core.step_trace`): per engine step, when vattn's host section ran, how long the
+device sat idle behind it, the requests it bound and the driver calls made in it; calls made
+between two sections are the map-ahead worker's. With the stage's results folder the traces
+are named by mode (the engine log names the pid) and cut into the generations the stage timed
+(``wall_each``). Prints, per mode and generation, the totals and the steps that cost most;
+``--plot`` draws host and idle ms per step.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+from vattn.core.errors import ConfigError
+
+__all__ = ["add_arguments", "run", "load_trace", "generations", "summarize"]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--results", required=True,
+                        help="a GPU stage's results folder (holding steps/ and logs/)")
+    parser.add_argument("--top", type=int, default=8, help="steps listed per generation (most idle first)")
+    parser.add_argument("--plot", default=None, help="write a PNG of host and idle ms per step here")
+
+
+def load_trace(path: str) -> dict:
+    """One trace file as a dict, its rows with the counter deltas of the section (``calls``) and
+    of the worker since the previous section (``worker``), keyed by counter name."""
+    try:
+        with open(path) as f:
+            trace = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--results: expected a step trace (JSON) in {path!r}, got invalid JSON ({exc})") from exc
+    if not isinstance(trace, dict) or not isinstance(trace.get("rows"), list) or "counters" not in trace:
+        raise ConfigError(f"--results: expected a step trace object with rows and counters in {path!r}")
+    names, last = trace["counters"], None
+    for row in trace["rows"]:
+        row["calls"] = dict(zip(names, (b - a for a, b in zip(row["c0"], row["c1"]))))
+        row["worker"] = dict(zip(names, (a - b for a, b in zip(row["c0"], last or row["c0"]))))
+        last = row["c1"]
+    return trace
+
+
+def _modes_by_pid(results: str) -> dict[int, str]:
+    """``{engine pid: mode}`` from the engine logs (``vllm_<workload>_<mode>.log``)."""
+    found = {}
+    for log in glob.glob(os.path.join(results, "logs", "*.log")):
+        mode = os.path.basename(log)[:-4].split("_", 2)[-1]
+        with open(log, errors="replace") as f:
+            for line in f:
+                m = re.search(r"\(EngineCore pid=(\d+)\)", line)
+                if m:
+                    found[int(m.group(1))] = mode
+                    break
+    return found
+
+
+def _walls(results: str) -> dict[str, list]:
+    """``{mode: [[start, end], ...]}`` of the generations the throughput stages timed."""
+    out = {}
+    for path in glob.glob(os.path.join(results, "throughput_*.json")):
+        with open(path) as f:
+            rows = json.load(f).get("rows") or {}
+        for mode, row in rows.items():
+            if row.get("wall_each"):
+                out[mode] = row["wall_each"]
+    return out
+
+
+def generations(trace: dict, walls: list | None) -> list[tuple[str, list[dict]]]:
+    """The rows cut into ``("before", rows)`` and one ``("gen N", rows)`` per timed generation
+    (rows outside every window go to the nearest earlier part); all rows as one part without
+    ``walls``."""
+    rows = trace["rows"]
+    if not walls:
+        return [("all", rows)]
+    wall0 = trace["header"].get("wall0", 0.0)
+    parts = [("before", [])] + [(f"gen {i + 1}", []) for i in range(len(walls))]
+    for row in rows:
+        at = wall0 + row["t0"]
+        k = sum(1 for start, _ in walls if at >= start)
+        parts[k][1].append(row)
+    return parts
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Totals of a part: steps, host ms, device idle ms, requests bound, driver calls in the
+    sections and by the worker between them."""
+    host = sum(r["t1"] - r["t0"] for r in rows) * 1e3
+    idle = sum(r["idle_us"] or 0.0 for r in rows) / 1e3
+    calls = {k: sum(r["calls"].get(k, 0) for r in rows) for k in ("map_calls", "unmap_calls", "set_access_calls")}
+    worker = {k: sum(r["worker"].get(k, 0) for r in rows) for k in ("map_calls", "unmap_calls")}
+    span = (rows[-1]["t1"] - rows[0]["t0"]) * 1e3 if rows else 0.0
+    return {"steps": len(rows), "span_ms": round(span, 1), "host_ms": round(host, 1), "idle_ms": round(idle, 1),
+            "binds": sum(r.get("binds", 0) for r in rows), "calls": calls, "worker_calls": worker}
+
+
+def _report(mode: str, trace: dict, walls, top: int) -> str:
+    lines = [f"## {mode} (pid {trace['pid']}): {trace['header'].get('cache', '')}"]
+    for name, rows in generations(trace, walls):
+        s = summarize(rows)
+        lines.append(f"- {name}: {s['steps']} steps over {s['span_ms']:.0f} ms; host {s['host_ms']:.1f} ms, "
+                     f"device idle behind it {s['idle_ms']:.1f} ms; {s['binds']} requests bound; in the "
+                     f"sections map {s['calls']['map_calls']} / unmap {s['calls']['unmap_calls']} / access "
+                     f"{s['calls']['set_access_calls']}; worker map {s['worker_calls']['map_calls']} / "
+                     f"unmap {s['worker_calls']['unmap_calls']}")
+        if name == "before":
+            continue
+        worst = sorted(rows, key=lambda r: -(r["idle_us"] or 0.0))[:top]
+        for r in sorted(worst, key=lambda r: r["t0"]):
+            gap = r["t0"] - rows[0]["t0"]
+            busy = {True: "device busy at start", False: "device idle at start"}.get(r.get("busy"), "")
+            lines.append(f"  - +{gap * 1e3:7.1f} ms: {busy}, host {(r['t1'] - r['t0']) * 1e3:6.1f} ms, idle "
+                         f"{(r['idle_us'] or 0) / 1e3:6.1f} ms, binds {r.get('binds', 0)}, steps {r.get('steps', 0)}, "
+                         f"map {r['calls']['map_calls']}, unmap {r['calls']['unmap_calls']}, worker map "
+                         f"{r['worker']['map_calls']} since the last")
+    return "\n".join(lines)
+
+
+def _plot(traces: list[tuple[str, dict, list | None]], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    gens = [(mode, name, rows) for mode, trace, walls in traces
+            for name, rows in generations(trace, walls) if name != "before" and rows]
+    fig, axes = plt.subplots(len(gens), 1, figsize=(10, 2.4 * len(gens)), squeeze=False)
+    for ax, (mode, name, rows) in zip(axes[:, 0], gens):
+        t = [(r["t0"] - rows[0]["t0"]) * 1e3 for r in rows]
+        ax.bar(t, [(r["t1"] - r["t0"]) * 1e3 for r in rows], width=2.0, color="tab:blue", label="host ms")
+        ax.bar(t, [(r["idle_us"] or 0) / 1e3 for r in rows], width=2.0, color="tab:red", alpha=0.7,
+               label="device idle ms")
+        ax.set_title(f"{mode}, {name}", fontsize=9)
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("ms since the generation's first step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    if not os.path.isdir(args.results):
+        raise ConfigError(f"--results: expected a GPU stage's results folder, got {args.results!r}")
+    files = sorted(glob.glob(os.path.join(args.results, "steps", "*.json")))
+    if not files:
+        raise ConfigError(f"--results: no step traces in {os.path.join(args.results, 'steps')!r}; run the "
+                          f"stage with VATTN_TRACE_STEPS=1")
+    pids, walls = _modes_by_pid(args.results), _walls(args.results)
+    traces = []
+    for path in files:
+        trace = load_trace(path)
+        mode = pids.get(trace["pid"], f"pid {trace['pid']}")
+        traces.append((mode, trace, walls.get(mode)))
+        print(_report(mode, trace, walls.get(mode), args.top))
+    if args.plot:
+        _plot(traces, args.plot)
+        print(f"plot: {args.plot}")
+    return 0

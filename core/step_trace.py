@@ -1,0 +1,105 @@
+"""One row per engine step of vattn's host work, for reading a run's timeline afterwards.
+
+A total per run (host ms of ``apply``, the device's idle ms behind it, driver calls) says how
+much a burst cost, not when: whether the map calls of a step ran while the device computed the
+step before, or while it sat idle. With ``VATTN_STEP_TRACE=PATH`` in the engine's environment
+an adapter records, per step, when its host section started and ended, how many requests it
+bound, and the cache's driver-call counters at both ends (calls made between two rows were made
+by the map-ahead worker); the device's idle time behind each section is filled in once its
+events complete. :meth:`StepTrace.write` replaces ``PATH`` (``{pid}`` = the process id) with a
+JSON object; nothing is recorded unless the variable is set (:func:`from_env`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from .errors import ConfigError
+
+__all__ = ["StepTrace", "from_env", "STEP_TRACE_ENV", "COUNTERS"]
+
+#: The environment variable naming the trace file.
+STEP_TRACE_ENV = "VATTN_STEP_TRACE"
+
+#: the cache counters a row carries at the start and the end of its section
+COUNTERS = ("map_calls", "set_access_calls", "unmap_calls", "pages_aliased", "pages_packed",
+            "pages_mapped_on_demand", "pages_mapped_ahead", "fence_waits")
+
+
+class StepTrace:
+    """Rows of ``{t0, t1, idle_us, n, c0, c1, ...}`` (seconds since the trace began, device idle
+    µs or ``None`` until known, the section's own fields, counters at each end).
+
+    Parameters
+    ----------
+    path : str
+        The JSON file (``{pid}`` is replaced by this process's id).
+    counters : callable
+        ``() -> object`` with the attributes named in :data:`COUNTERS` (the cache's counters).
+    header : dict, optional
+        Written with the rows (the cache's configuration: what the run was).
+    limit : int
+        Rows kept at most (the first ``limit``; later steps are counted, not kept).
+    """
+
+    def __init__(self, path: str, counters, *, header: dict | None = None, limit: int = 200_000):
+        if not path:
+            raise ConfigError("StepTrace: expected a file path, got an empty one")
+        if limit < 1:
+            raise ConfigError(f"StepTrace: expected limit >= 1, got {limit}")
+        self.path = path.replace("{pid}", str(os.getpid()))
+        self.counters, self.header, self.limit = counters, dict(header or {}), limit
+        self.rows: list[dict] = []
+        self.dropped = 0
+        self._origin = time.perf_counter()
+        self.header["wall0"] = time.time()    # rows' seconds are since this wall-clock time
+        self._open: dict | None = None
+        self._idle_next = 0                   # the first row whose idle time is not known yet
+
+    def _now(self) -> float:
+        return round(time.perf_counter() - self._origin, 6)
+
+    def _counts(self) -> list[int]:
+        c = self.counters()
+        return [int(getattr(c, name)) for name in COUNTERS]
+
+    def begin(self) -> None:
+        """A section starts (call :meth:`end` when it is over)."""
+        self._open = {"t0": self._now(), "c0": self._counts()}
+
+    def end(self, **fields) -> None:
+        """The section started by :meth:`begin` is over; ``fields`` are its own (JSON scalars)."""
+        if self._open is None:
+            raise ConfigError("StepTrace.end without begin")
+        row, self._open = self._open, None
+        if len(self.rows) >= self.limit:
+            self.dropped += 1
+            return
+        row |= {"t1": self._now(), "c1": self._counts(), "idle_us": None} | fields
+        self.rows.append(row)
+
+    def idle(self, value_us: float) -> None:
+        """The device idle µs of the next section in order (as its events complete)."""
+        if self._idle_next < len(self.rows):
+            self.rows[self._idle_next]["idle_us"] = round(float(value_us), 1)
+        self._idle_next += 1
+
+    def write(self) -> str:
+        """Replace the file with the header, the counter names and the rows; returns the path."""
+        out = {"pid": os.getpid(), "time": time.time(), "header": self.header,
+               "counters": list(COUNTERS), "rows": self.rows, "dropped": self.dropped}
+        tmp = f"{self.path}.tmp"
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(out, f, separators=(",", ":"))
+        os.replace(tmp, self.path)
+        return self.path
+
+
+def from_env(counters, *, header: dict | None = None, environ=None) -> StepTrace | None:
+    """A :class:`StepTrace` at ``$VATTN_STEP_TRACE``, or ``None`` when the variable is not set."""
+    env = os.environ if environ is None else environ
+    path = env.get(STEP_TRACE_ENV)
+    return StepTrace(path, counters, header=header) if path else None

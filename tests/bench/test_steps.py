@@ -1,0 +1,74 @@
+import json
+import os
+
+import pytest
+
+from vattn.bench import steps
+from vattn.cli import run_command
+from vattn.core.errors import ConfigError
+
+
+def _runtime_trace(tmp_path, monkeypatch) -> str:
+    """A host-backend vLLM runtime with prefix caching, traced: two requests sharing blocks."""
+    from tests.adapters.vllm.test_gpu_tables import _runtime, _two_requests_sharing_two_blocks
+    path = str(tmp_path / "run" / "steps" / "{pid}.json")
+    monkeypatch.setenv("VATTN_STEP_TRACE", path)
+    rt, _ = _runtime(prefix_caching=True)
+    try:
+        _two_requests_sharing_two_blocks(rt)
+        rt.metrics()                                   # writes the trace
+        return rt.trace.path
+    finally:
+        rt.close()
+
+
+def test_the_vllm_runtime_traces_each_apply_with_its_driver_calls(tmp_path, monkeypatch):
+    trace = steps.load_trace(_runtime_trace(tmp_path, monkeypatch))
+    rows = trace["rows"]
+    assert len(rows) == 2 and [r["binds"] for r in rows] == [1, 1]
+    assert rows[1]["calls"]["pages_aliased"] > 0           # the second request hit the first's blocks
+    assert "tokens per page-set" in trace["header"]["cache"] and trace["header"]["sharing"] is True
+    assert all(r["idle_us"] is None for r in rows)          # a host run has no device events
+
+
+def _results(tmp_path, monkeypatch) -> str:
+    path = _runtime_trace(tmp_path, monkeypatch)
+    folder = os.path.dirname(os.path.dirname(path))
+    pid = json.load(open(path))["pid"]
+    os.makedirs(os.path.join(folder, "logs"))
+    with open(os.path.join(folder, "logs", "vllm_shared-prefix_vattn:p0.log"), "w") as f:
+        f.write(f"INFO start\n(EngineCore pid={pid}) INFO vattn KV cache: ...\n")
+    wall0 = json.load(open(path))["header"]["wall0"]
+    rows = {"vattn:p0": {"seconds": 1.0, "wall_each": [[wall0 - 1, wall0 + 1e6]]}}
+    with open(os.path.join(folder, "throughput_shared-prefix.json"), "w") as f:
+        json.dump({"rows": rows}, f)
+    return folder
+
+
+def test_run_names_traces_by_mode_and_cuts_generations(tmp_path, monkeypatch, capsys):
+    folder = _results(tmp_path, monkeypatch)
+    assert run_command(["bench", "steps", "--results", folder, "--plot", str(tmp_path / "s.png")]) == 0
+    out = capsys.readouterr().out
+    assert "## vattn:p0" in out and "- before: 0 steps" in out and "- gen 1: 2 steps" in out
+    assert os.path.getsize(tmp_path / "s.png") > 0
+
+
+def test_generations_put_rows_before_the_first_window_in_before():
+    trace = {"header": {"wall0": 100.0}, "rows": [{"t0": 0.5}, {"t0": 2.0}, {"t0": 5.0}]}
+    parts = steps.generations(trace, [[101.0, 103.0], [104.0, 106.0]])
+    assert [(name, len(rows)) for name, rows in parts] == [("before", 1), ("gen 1", 1), ("gen 2", 1)]
+    assert steps.generations(trace, None) == [("all", trace["rows"])]
+
+
+def test_bad_input_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="results folder"):
+        run_command(["bench", "steps", "--results", str(tmp_path / "nope")])
+    with pytest.raises(ConfigError, match="VATTN_TRACE_STEPS=1"):
+        run_command(["bench", "steps", "--results", str(tmp_path)])
+    os.makedirs(tmp_path / "steps")
+    (tmp_path / "steps" / "1.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="invalid JSON"):
+        run_command(["bench", "steps", "--results", str(tmp_path)])
+    (tmp_path / "steps" / "1.json").write_text("[]")
+    with pytest.raises(ConfigError, match="rows and counters"):
+        run_command(["bench", "steps", "--results", str(tmp_path)])

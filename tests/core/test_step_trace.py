@@ -1,0 +1,56 @@
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from vattn.core import step_trace
+from vattn.core.errors import ConfigError
+from vattn.core.step_trace import COUNTERS, StepTrace
+
+
+def _counters(**values):
+    return SimpleNamespace(**({name: 0 for name in COUNTERS} | values))
+
+
+def test_rows_carry_counters_at_both_ends_and_idle_in_order(tmp_path):
+    c = _counters()
+    trace = StepTrace(str(tmp_path / "t-{pid}.json"), lambda: c, header={"mode": "x"})
+    for calls in (3, 0, 5):
+        trace.begin()
+        c.map_calls += calls
+        trace.end(binds=calls)
+        c.unmap_calls += 1                              # the worker, between two sections
+    trace.idle(10.0)
+    trace.idle(0.0)                                     # the third section's events not done yet
+    path = trace.write()
+    data = json.load(open(path))
+    assert str(data["pid"]) in path and data["header"]["mode"] == "x" and "wall0" in data["header"]
+    rows = data["rows"]
+    i, j = COUNTERS.index("map_calls"), COUNTERS.index("unmap_calls")
+    assert [r["c1"][i] - r["c0"][i] for r in rows] == [3, 0, 5]
+    assert [r["c0"][j] for r in rows] == [0, 1, 2]
+    assert [r["idle_us"] for r in rows] == [10.0, 0.0, None]
+    assert [r["binds"] for r in rows] == [3, 0, 5] and all(r["t1"] >= r["t0"] for r in rows)
+
+
+def test_rows_past_the_limit_are_counted_not_kept(tmp_path):
+    trace = StepTrace(str(tmp_path / "t.json"), _counters, limit=2)
+    for _ in range(5):
+        trace.begin()
+        trace.end()
+    assert len(trace.rows) == 2 and trace.dropped == 3
+
+
+def test_bad_input_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="file path"):
+        StepTrace("", _counters)
+    with pytest.raises(ConfigError, match="limit >= 1"):
+        StepTrace(str(tmp_path / "t.json"), _counters, limit=0)
+    with pytest.raises(ConfigError, match="without begin"):
+        StepTrace(str(tmp_path / "t.json"), _counters).end()
+
+
+def test_from_env_only_when_set(tmp_path):
+    assert step_trace.from_env(_counters, environ={}) is None
+    got = step_trace.from_env(_counters, environ={"VATTN_STEP_TRACE": str(tmp_path / "a.json")})
+    assert isinstance(got, StepTrace) and got.path.endswith("a.json")
