@@ -5,8 +5,9 @@ Each vattn engine of a GPU stage run with ``VATTN_TRACE_STEPS=1`` leaves ``steps
 device sat idle behind it, the requests it bound and the driver calls made in it; calls made
 between two sections are the map-ahead worker's. With the stage's results folder the traces
 are named by mode (the engine log names the pid) and cut into the generations the stage timed
-(``wall_each``). Prints, per mode and generation, the totals and the steps that cost most;
-``--plot`` draws host and idle ms per step.
+(``wall_each``). Prints, per mode and generation, the totals and the steps that cost most,
+and with ``VATTN_STEP_PROFILE=1`` the functions the sections spent their time in; ``--plot``
+draws host and idle ms per step.
 """
 
 from __future__ import annotations
@@ -122,6 +123,17 @@ def _report(mode: str, trace: dict, walls, top: int) -> str:
     return "\n".join(lines)
 
 
+def _profile(path: str, top: int) -> str:
+    """The functions the traced sections spent most time in (``VATTN_STEP_PROFILE=1``)."""
+    import io
+    import pstats
+    out = io.StringIO()
+    stats = pstats.Stats(path, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    body = out.getvalue()
+    return "```\n" + body[body.find("ncalls") if "ncalls" in body else 0:].rstrip() + "\n```"
+
+
 def _plot(traces: list[tuple[str, dict, list | None]], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -157,6 +169,8 @@ def run(args) -> int:
         mode = pids.get(trace["pid"], f"pid {trace['pid']}")
         traces.append((mode, trace, walls.get(mode)))
         print(_report(mode, trace, walls.get(mode), args.top))
+        if os.path.exists(f"{path}.prof"):
+            print(_profile(f"{path}.prof", args.top * 3))
     if args.plot:
         _plot(traces, args.plot)
         print(f"plot: {args.plot}")

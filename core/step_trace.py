@@ -42,9 +42,13 @@ class StepTrace:
         Written with the rows (the cache's configuration: what the run was).
     limit : int
         Rows kept at most (the first ``limit``; later steps are counted, not kept).
+    profile : bool
+        Also profile the sections (``cProfile``, this thread only); :meth:`write` saves the
+        stats to ``PATH.prof`` (read them with ``pstats``).
     """
 
-    def __init__(self, path: str, counters, *, header: dict | None = None, limit: int = 200_000):
+    def __init__(self, path: str, counters, *, header: dict | None = None, limit: int = 200_000,
+                 profile: bool = False):
         if not path:
             raise ConfigError("StepTrace: expected a file path, got an empty one")
         if limit < 1:
@@ -53,10 +57,15 @@ class StepTrace:
         self.counters, self.header, self.limit = counters, dict(header or {}), limit
         self.rows: list[dict] = []
         self.dropped = 0
+        self._idles: list[float] = []         # device idle µs per section, in order
+        #: a cProfile of the sections themselves (``profile=True``), written beside the trace
+        self.profile = None
+        if profile:
+            import cProfile
+            self.profile = cProfile.Profile()
         self._origin = time.perf_counter()
         self.header["wall0"] = time.time()    # rows' seconds are since this wall-clock time
         self._open: dict | None = None
-        self._idle_next = 0                   # the first row whose idle time is not known yet
 
     def _now(self) -> float:
         return round(time.perf_counter() - self._origin, 6)
@@ -68,11 +77,15 @@ class StepTrace:
     def begin(self) -> None:
         """A section starts (call :meth:`end` when it is over)."""
         self._open = {"t0": self._now(), "c0": self._counts()}
+        if self.profile is not None:
+            self.profile.enable()
 
     def end(self, **fields) -> None:
         """The section started by :meth:`begin` is over; ``fields`` are its own (JSON scalars)."""
         if self._open is None:
             raise ConfigError("StepTrace.end without begin")
+        if self.profile is not None:
+            self.profile.disable()
         row, self._open = self._open, None
         if len(self.rows) >= self.limit:
             self.dropped += 1
@@ -81,13 +94,14 @@ class StepTrace:
         self.rows.append(row)
 
     def idle(self, value_us: float) -> None:
-        """The device idle µs of the next section in order (as its events complete)."""
-        if self._idle_next < len(self.rows):
-            self.rows[self._idle_next]["idle_us"] = round(float(value_us), 1)
-        self._idle_next += 1
+        """The device idle µs of the next section in order, as its events complete (maybe
+        before :meth:`end` has added the section's row)."""
+        self._idles.append(round(float(value_us), 1))
 
     def write(self) -> str:
         """Replace the file with the header, the counter names and the rows; returns the path."""
+        for row, idle_us in zip(self.rows, self._idles):
+            row["idle_us"] = idle_us
         out = {"pid": os.getpid(), "time": time.time(), "header": self.header,
                "counters": list(COUNTERS), "rows": self.rows, "dropped": self.dropped}
         tmp = f"{self.path}.tmp"
@@ -95,11 +109,17 @@ class StepTrace:
         with open(tmp, "w") as f:
             json.dump(out, f, separators=(",", ":"))
         os.replace(tmp, self.path)
+        if self.profile is not None:
+            self.profile.dump_stats(f"{self.path}.prof")
         return self.path
 
 
 def from_env(counters, *, header: dict | None = None, environ=None) -> StepTrace | None:
-    """A :class:`StepTrace` at ``$VATTN_STEP_TRACE``, or ``None`` when the variable is not set."""
+    """A :class:`StepTrace` at ``$VATTN_STEP_TRACE`` (profiled with ``$VATTN_STEP_PROFILE=1``),
+    or ``None`` when the variable is not set."""
     env = os.environ if environ is None else environ
     path = env.get(STEP_TRACE_ENV)
-    return StepTrace(path, counters, header=header) if path else None
+    profile = env.get("VATTN_STEP_PROFILE", "0")
+    if profile not in ("0", "1"):
+        raise ConfigError(f"VATTN_STEP_PROFILE: expected 0 or 1, got {profile!r}")
+    return StepTrace(path, counters, header=header, profile=profile == "1") if path else None

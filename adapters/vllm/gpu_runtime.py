@@ -272,5 +272,8 @@ class GpuRuntime:
     def close(self) -> None:
         if getattr(self, "snapshots", None) is not None:
             self.snapshots.close()
+        if getattr(self, "trace", None) is not None:
+            self.device_wait.collect()
+            self.trace.write()
         self._kv.clear()
         self.cache.close()

@@ -54,3 +54,44 @@ def test_from_env_only_when_set(tmp_path):
     assert step_trace.from_env(_counters, environ={}) is None
     got = step_trace.from_env(_counters, environ={"VATTN_STEP_TRACE": str(tmp_path / "a.json")})
     assert isinstance(got, StepTrace) and got.path.endswith("a.json")
+
+
+def test_idle_reported_before_the_row_is_added_lands_on_its_row(tmp_path):
+    """DeviceWait folds a section in as soon as its events complete, which on an idle device is
+    inside its ``end()``, before the trace's ``end()`` adds the row."""
+    trace = StepTrace(str(tmp_path / "t.json"), _counters)
+    for idle in (7.0, 0.0, 3.0):
+        trace.begin()
+        trace.idle(idle)
+        trace.end()
+    trace.begin()
+    trace.end()                                         # its events not complete yet
+    rows = json.load(open(trace.write()))["rows"]
+    assert [r["idle_us"] for r in rows] == [7.0, 0.0, 3.0, None]
+
+
+def test_profile_covers_the_sections_only(tmp_path):
+    import pstats
+
+    def inside():
+        return sum(range(1000))
+
+    def outside():
+        return sum(range(1000))
+    trace = StepTrace(str(tmp_path / "t.json"), _counters, profile=True)
+    outside()
+    trace.begin()
+    inside()
+    trace.end()
+    outside()
+    trace.write()
+    names = {func[2] for func in pstats.Stats(f"{trace.path}.prof").stats}
+    assert "inside" in names and "outside" not in names
+
+
+def test_profile_env_is_checked(tmp_path):
+    env = {"VATTN_STEP_TRACE": str(tmp_path / "a.json"), "VATTN_STEP_PROFILE": "yes"}
+    with pytest.raises(ConfigError, match="VATTN_STEP_PROFILE: expected 0 or 1, got 'yes'"):
+        step_trace.from_env(_counters, environ=env)
+    env["VATTN_STEP_PROFILE"] = "1"
+    assert step_trace.from_env(_counters, environ=env).profile is not None
