@@ -135,20 +135,30 @@ def _profile(path: str, top: int) -> str:
 
 
 def _plot(traces: list[tuple[str, dict, list | None]], path: str) -> None:
+    """One timeline per mode and generation: each step's start, vattn's host sections of 1 ms or
+    more and the device idle time behind them (drawn at the section's end, where the device
+    waited)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     gens = [(mode, name, rows) for mode, trace, walls in traces
             for name, rows in generations(trace, walls) if name != "before" and rows]
-    fig, axes = plt.subplots(len(gens), 1, figsize=(10, 2.4 * len(gens)), squeeze=False)
+    fig, axes = plt.subplots(len(gens), 1, figsize=(10, 1.9 * len(gens)), squeeze=False)
     for ax, (mode, name, rows) in zip(axes[:, 0], gens):
-        t = [(r["t0"] - rows[0]["t0"]) * 1e3 for r in rows]
-        ax.bar(t, [(r["t1"] - r["t0"]) * 1e3 for r in rows], width=2.0, color="tab:blue", label="host ms")
-        ax.bar(t, [(r["idle_us"] or 0) / 1e3 for r in rows], width=2.0, color="tab:red", alpha=0.7,
-               label="device idle ms")
-        ax.set_title(f"{mode}, {name}", fontsize=9)
-        ax.set_ylabel("ms")
-        ax.legend(fontsize=7, loc="upper right")
+        t0 = rows[0]["t0"]
+        span = max((rows[-1]["t1"] - t0) * 1e3, 1.0)
+        least = span / 1500                            # a drawn section stays visible
+        host = [((r["t0"] - t0) * 1e3, max((r["t1"] - r["t0"]) * 1e3, least)) for r in rows
+                if r["t1"] - r["t0"] >= 1e-3]          # sections under 1 ms are not drawn
+        idle = [((r["t1"] - t0) * 1e3 - r["idle_us"] / 1e3, max(r["idle_us"] / 1e3, least))
+                for r in rows if (r["idle_us"] or 0) >= 1e3]
+        ax.broken_barh(host, (2, 0.8), color="tab:blue")
+        ax.broken_barh(idle, (1, 0.8), color="tab:red")
+        ax.vlines([(r["t0"] - t0) * 1e3 for r in rows], 0.1, 0.8, color="0.4", linewidth=0.5)
+        ax.set_yticks([0.45, 1.4, 2.4], ["engine steps", "device idle", "vattn host"], fontsize=8)
+        ax.set_ylim(0, 3)
+        total = sum(r["idle_us"] or 0 for r in rows) / 1e3
+        ax.set_title(f"{mode}, {name}: {len(rows)} steps, device idle behind vattn {total:.0f} ms", fontsize=9)
     axes[-1, 0].set_xlabel("ms since the generation's first step")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
