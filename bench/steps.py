@@ -7,7 +7,9 @@ between two sections are the map-ahead worker's. With the stage's results folder
 are named by mode (the engine log names the pid) and cut into the generations the stage timed
 (``wall_each``). Prints, per mode and generation, the totals and the steps that cost most,
 and with ``VATTN_STEP_PROFILE=1`` the functions the sections spent their time in; ``--plot``
-draws host and idle ms per step.
+draws host and idle ms per step. With the engine core in the worker's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the stage also records when each step was scheduled, for
+every mode (stock too): the time from one step's scheduling to the next's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import re
 
 from vattn.core.errors import ConfigError
 
-__all__ = ["add_arguments", "run", "load_trace", "generations", "summarize"]
+__all__ = ["add_arguments", "run", "load_trace", "generations", "summarize", "schedule_gaps"]
 
 
 def add_arguments(parser) -> None:
@@ -61,16 +63,40 @@ def _modes_by_pid(results: str) -> dict[int, str]:
     return found
 
 
-def _walls(results: str) -> dict[str, list]:
-    """``{mode: [[start, end], ...]}`` of the generations the throughput stages timed."""
+def _rows(results: str) -> dict[str, dict]:
+    """``{mode: row}`` of the throughput stages' JSONs in ``results``."""
     out = {}
     for path in glob.glob(os.path.join(results, "throughput_*.json")):
         with open(path) as f:
-            rows = json.load(f).get("rows") or {}
-        for mode, row in rows.items():
-            if row.get("wall_each"):
-                out[mode] = row["wall_each"]
+            out |= json.load(f).get("rows") or {}
     return out
+
+
+def _walls(results: str) -> dict[str, list]:
+    """``{mode: [[start, end], ...]}`` of the generations the throughput stages timed."""
+    return {mode: row["wall_each"] for mode, row in _rows(results).items() if row.get("wall_each")}
+
+
+def schedule_gaps(walls: list, generations: list) -> list[list[float]]:
+    """Per timed generation, the ms from each engine step's scheduling to the next one's (the
+    engine core's ``schedule`` calls, recorded when it runs in the worker's process)."""
+    out = []
+    for start, end in generations:
+        inside = [t for t in walls if start <= t <= end]
+        out.append([round((b - a) * 1e3, 1) for a, b in zip(inside, inside[1:])])
+    return out
+
+
+def _schedule_report(results: str, top: int) -> str:
+    lines = []
+    for mode, row in sorted(_rows(results).items()):
+        if not row.get("schedule_walls") or not row.get("wall_each"):
+            continue
+        for i, gaps in enumerate(schedule_gaps(row["schedule_walls"], row["wall_each"])):
+            long = sorted(gaps, reverse=True)[:top]
+            lines.append(f"- {mode}, gen {i + 1}: {len(gaps) + 1} steps scheduled; ms between the first "
+                         f"{min(len(gaps), 6)}: {gaps[:6]}; longest: {long}")
+    return ("## when the engine core scheduled each step\n" + "\n".join(lines)) if lines else ""
 
 
 def generations(trace: dict, walls: list | None) -> list[tuple[str, list[dict]]]:
@@ -169,14 +195,18 @@ def run(args) -> int:
     if not os.path.isdir(args.results):
         raise ConfigError(f"--results: expected a GPU stage's results folder, got {args.results!r}")
     files = sorted(glob.glob(os.path.join(args.results, "steps", "*.json")))
-    if not files:
-        raise ConfigError(f"--results: no step traces in {os.path.join(args.results, 'steps')!r}; run the "
-                          f"stage with VATTN_TRACE_STEPS=1")
+    schedules = _schedule_report(args.results, args.top)
+    if not files and not schedules:
+        raise ConfigError(f"--results: no step traces in {os.path.join(args.results, 'steps')!r} and no "
+                          f"schedule times; run the stage with VATTN_TRACE_STEPS=1 (and the engine core "
+                          f"in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0, for the schedule times)")
+    if schedules:
+        print(schedules)
     pids, walls = _modes_by_pid(args.results), _walls(args.results)
     traces = []
     for path in files:
         trace = load_trace(path)
-        mode = pids.get(trace["pid"], f"pid {trace['pid']}")
+        mode = trace["header"].get("run") or pids.get(trace["pid"], f"pid {trace['pid']}")
         traces.append((mode, trace, walls.get(mode)))
         print(_report(mode, trace, walls.get(mode), args.top))
         if os.path.exists(f"{path}.prof"):

@@ -115,10 +115,13 @@ class StepTrace:
 
 
 def from_env(counters, *, header: dict | None = None, environ=None) -> StepTrace | None:
-    """A :class:`StepTrace` at ``$VATTN_STEP_TRACE`` (profiled with ``$VATTN_STEP_PROFILE=1``),
-    or ``None`` when the variable is not set."""
+    """A :class:`StepTrace` at ``$VATTN_STEP_TRACE`` (profiled with ``$VATTN_STEP_PROFILE=1``;
+    ``$VATTN_RUN_NAME``, set by a harness, goes into the header), or ``None`` when the variable
+    is not set."""
     env = os.environ if environ is None else environ
     path = env.get(STEP_TRACE_ENV)
+    if env.get("VATTN_RUN_NAME"):                    # what a harness calls this engine
+        header = {"run": env["VATTN_RUN_NAME"]} | dict(header or {})
     profile = env.get("VATTN_STEP_PROFILE", "0")
     if profile not in ("0", "1"):
         raise ConfigError(f"VATTN_STEP_PROFILE: expected 0 or 1, got {profile!r}")

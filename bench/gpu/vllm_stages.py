@@ -222,6 +222,7 @@ def stage_throughput(args) -> dict:
         row = report["rows"].setdefault(mode, {"seconds": res.seconds})
         row |= {"init_s": res.extra.get("init_s"), "num_gpu_blocks": res.extra.get("num_gpu_blocks"),
                 "seconds_each": res.extra.get("seconds_each"), "wall_each": res.extra.get("wall_each"),
+                "schedule_walls": res.extra.get("schedule_walls"),
                 "cached_tokens_each": res.extra.get("cached_tokens_each"),
                 "prompt_tokens_each": [res.num_prompt_tokens] * len(res.extra.get("cached_tokens_each") or []),
                 "vattn_each": res.extra.get("vattn_each"), "vattn_before": res.extra.get("vattn_before"),

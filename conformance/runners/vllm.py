@@ -123,6 +123,8 @@ class VllmRunner:
         env.pop("VATTN_STAGE_PREFIXES", None)
         env.pop("VATTN_PACK_MB", None)
         run = spec.get("run_name", spec["mode"])
+        if env.get("VATTN_STEP_TRACE"):
+            env["VATTN_RUN_NAME"] = run              # names the engine's step trace
         group = _group(run)
         if group is not None:
             env["VATTN_GROUP_SIZE"] = str(group)

@@ -117,6 +117,7 @@ def generate(spec: dict) -> dict:
                        # per request, the prompt tokens vLLM's prefix cache served (None: not reported)
                        "num_cached_tokens": [o.num_cached_tokens for o in outs],
                        "schedule": _by_prompt(steps, outs),
+                       "schedule_walls": None if steps is None else steps.walls,
                        # vattn's counters after each generation (cumulative; see generation_counters),
                        # and before the first (after start-up and the warm-up request)
                        "vattn_each": each or None, "vattn_before": before,
@@ -153,16 +154,27 @@ def _schedule_recorder(llm) -> list | None:
     scheduler = getattr(core, "scheduler", None)
     if scheduler is None or not callable(getattr(scheduler, "schedule", None)):
         return None
-    steps: list = []
+    steps = _Schedule()
     original = scheduler.schedule
 
     def schedule(*args, **kwargs):
         out = original(*args, **kwargs)
         if out.num_scheduled_tokens:
             steps.append(sorted(out.num_scheduled_tokens.items()))
+            steps.walls.append(round(time.time(), 4))
         return out
     scheduler.schedule = schedule     # this engine's instance only
     return steps
+
+
+class _Schedule(list):
+    """The recorded schedule (cleared per generation) and the wall-clock time of every
+    non-empty step since the recording began (kept: to place the steps of a run's timeline,
+    e.g. against a step trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.walls: list[float] = []
 
 
 def _by_prompt(steps: list | None, outs) -> list | None:

@@ -72,3 +72,13 @@ def test_bad_input_is_refused(tmp_path):
     (tmp_path / "steps" / "1.json").write_text("[]")
     with pytest.raises(ConfigError, match="rows and counters"):
         run_command(["bench", "steps", "--results", str(tmp_path)])
+
+
+def test_schedule_gaps_per_generation_and_report(tmp_path, capsys):
+    walls = [10.0, 10.1, 10.5, 20.0, 20.02]
+    assert steps.schedule_gaps(walls, [[9.9, 11.0], [19.9, 21.0]]) == [[100.0, 400.0], [20.0]]
+    rows = {"stock": {"seconds": 1.0, "wall_each": [[9.9, 11.0]], "schedule_walls": walls}}
+    (tmp_path / "throughput_x.json").write_text(json.dumps({"rows": rows}))
+    assert run_command(["bench", "steps", "--results", str(tmp_path)]) == 0   # no traces: schedules only
+    out = capsys.readouterr().out
+    assert "stock, gen 1: 3 steps scheduled" in out and "[100.0, 400.0]" in out

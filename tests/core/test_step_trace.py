@@ -95,3 +95,8 @@ def test_profile_env_is_checked(tmp_path):
         step_trace.from_env(_counters, environ=env)
     env["VATTN_STEP_PROFILE"] = "1"
     assert step_trace.from_env(_counters, environ=env).profile is not None
+
+
+def test_the_harness_run_name_goes_into_the_header(tmp_path):
+    env = {"VATTN_STEP_TRACE": str(tmp_path / "a.json"), "VATTN_RUN_NAME": "vattn:p0@2"}
+    assert step_trace.from_env(_counters, environ=env).header["run"] == "vattn:p0@2"
