@@ -75,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(VATTN_PACK_MB: a run of 8 page-sets hit twice is copied into one "
                              "allocation per range and later hits map it with one call per range); "
                              "default 0: off")
-    parser.add_argument("--pack-sets", type=argtypes.positive_int, default=8,
-                        help="with --pack-mb: page-sets per pack, a power of 2 (VATTN_PACK_SETS; default 8)")
+    parser.add_argument("--pack-sets", type=argtypes.int_list, default=(8,),
+                        help="with --pack-mb: page-sets per pack, a power of 2, or several (8,16,32: a hit "
+                             "tiled largest first; VATTN_PACK_SETS; default 8)")
     parser.add_argument("--warm-up", action="store_true",
                         help="with the scheduler: before the generations, one untimed request of the "
                              "first prompt for 2 tokens, as the engine stages warm up (a shared "
@@ -89,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = False,
              blocks: int | None = None, driver=None, stream_ordered: bool = True,
-             stage: bool | None = None, pack_mb: int = 0, pack_sets: int = 8):
+             stage: bool | None = None, pack_mb: int = 0, pack_sets: int | tuple[int, ...] = 8):
     """Llama-3-8B's page arithmetic (G=4: 128 tokens per 2 MiB page-set row) on CUDA; on the host
     backend the same 128 tokens per page with 1 KV head of 64 fp32 values and 256 KiB pages (16
     fp16 values and 32 KiB pages with prefix caching, whose workloads hold more tokens).
@@ -223,7 +224,7 @@ def run_prefix(args) -> int:
                           "--max-batched-tokens or --stage-prefixes")
     rt = _runtime(args.device, seqs, args.max_model_len or longest, prefix_caching=True,
                   blocks=blocks, driver=fences, stream_ordered=args.fence_policy == "retire", stage=stage,
-                  pack_mb=args.pack_mb, pack_sets=args.pack_sets)
+                  pack_mb=args.pack_mb, pack_sets=_sizes(args.pack_sets))
     try:
         pool = PrefixBlockPool(blocks, rt.block_size)
         prompts = prompts_for(args.workload, batch=args.batch, prompt=args.prompt, shared=args.shared)
@@ -267,7 +268,7 @@ def run_prefix(args) -> int:
           + (f"; at most {args.max_batched_tokens} tokens computed a step" if args.max_batched_tokens else "")
           + (f"; the map-ahead worker on (finishing between steps), prefix staging {args.stage_prefixes}"
              if stage is not None else "")
-          + (f"; {args.pack_mb} MiB for packs of {args.pack_sets} page-sets of shared runs"
+          + (f"; {args.pack_mb} MiB for packs of {'/'.join(map(str, args.pack_sets))} page-sets of shared runs"
              if args.pack_mb else "")
           + ("; before the generations an untimed warm-up request of the first prompt (2 tokens), as "
              "the engine stages run one" if args.warm_up else "")
@@ -289,8 +290,13 @@ def run_prefix(args) -> int:
                     + (f", {args.max_batched_tokens} tokens a step" if args.max_batched_tokens else "")
                     + (f", staging {args.stage_prefixes}" if stage is not None else "")
                     + (f", packs {args.pack_mb} MiB" if args.pack_mb else "")
-                    + (f" of {args.pack_sets} page-sets" if args.pack_mb and args.pack_sets != 8 else "")
+                    + (f" of {'/'.join(map(str, args.pack_sets))} page-sets" if args.pack_mb and args.pack_sets != (8,) else "")
                     + (", warm-up" if args.warm_up else "")) if scheduled else ""
         write_section(f"host work with prefix caching, {args.workload}{pressure} ({args.device})", md, command_line(),
                       path=args.benchmarks)
     return 0
+
+
+def _sizes(sizes: tuple[int, ...]) -> int | tuple[int, ...]:
+    """``--pack-sets`` as :class:`KVCacheConfig` takes it: one size, or a tuple of several."""
+    return sizes[0] if len(sizes) == 1 else sizes

@@ -90,7 +90,7 @@ class VirtualKVCache:
         self._counters = Counters()
         self._pages = SlotPages(cfg, lay, self.driver, self._pool, self._space.bases, self._counters)
         if cfg.pack_pages:
-            self._pages.packs = Packs(self.driver, self._pool, size=cfg.pack_sets, budget_pages=cfg.pack_pages,
+            self._pages.packs = Packs(self.driver, self._pool, sizes=cfg.pack_sizes, budget_pages=cfg.pack_pages,
                                       num_ranges=lay.num_ranges, page_bytes=lay.page_bytes)
             self._pages.run_bytes = self._space.run_bytes
         self._keys = BlockKeys(self._pool, self._pages.bound)
@@ -467,7 +467,7 @@ class VirtualKVCache:
         cfg, lay, m = self.config, self.layout, self.metrics()
         row = cache_layout_row(cfg, lay.page_bytes)
         warm = f", {m['pages_mapped']} pre-warmed" + (f" in {prewarm_s:.2f} s" if prewarm_s else "")
-        packs = (f", packs of {cfg.pack_sets} page-sets up to {cfg.pack_pages * lay.page_bytes / 2**20:.0f} MiB "
+        packs = (f", packs of {'/'.join(map(str, cfg.pack_sizes[::-1]))} page-sets up to {cfg.pack_pages * lay.page_bytes / 2**20:.0f} MiB "
                  f"beside the pool" if cfg.pack_pages else "")
         return (f"vattn KV cache: {row['layout']} ({lay.num_ranges} VA ranges of {lay.page_bytes >> 20} "
                 f"MiB pages), {lay.tokens_for(1)} tokens per page-set, {cfg.max_slots} slots of "

@@ -59,8 +59,11 @@ class KVCacheConfig:
         page-sets hit a second time is copied once into one allocation per range, and every later
         hit maps it with one call per range instead of one per page (the driver charges per
         allocation). Default 0: off. See docs/shared-prefix-packs.md.
-    pack_sets : int
-        Page-sets per pack (a power of two >= 2, default 8); runs start at multiples of it.
+    pack_sets : int | tuple[int, ...]
+        Page-sets per pack (a power of two >= 2, default 8); runs start at multiples of it. A
+        tuple of such sizes (e.g. ``(8, 16, 32)``) packs each hit run with the largest that fits
+        an aligned start, then the smaller ones: a long prefix takes few calls and a short one
+        is still packed (:attr:`pack_sizes`).
     stream_ordered : bool
         ``True`` when all device work the caller's thread enqueues after
         :meth:`~vattn.core.VirtualKVCache.release` is ordered after that release's fence (one
@@ -110,9 +113,11 @@ class KVCacheConfig:
             raise ConfigError(f"map_ahead_tokens must be an int >= 0, got {self.map_ahead_tokens!r}")
         if not isinstance(self.pack_pages, int) or isinstance(self.pack_pages, bool) or self.pack_pages < 0:
             raise ConfigError(f"pack_pages must be an int >= 0, got {self.pack_pages!r}")
-        if (not isinstance(self.pack_sets, int) or isinstance(self.pack_sets, bool) or self.pack_sets < 2
-                or self.pack_sets & (self.pack_sets - 1)):
-            raise ConfigError(f"pack_sets must be a power of two >= 2, got {self.pack_sets!r}")
+        sizes = self.pack_sets if isinstance(self.pack_sets, tuple) else (self.pack_sets,)
+        if (not sizes or len(set(sizes)) != len(sizes)
+                or any(not isinstance(n, int) or isinstance(n, bool) or n < 2 or n & (n - 1) for n in sizes)):
+            raise ConfigError(f"pack_sets must be a power of two >= 2, or a tuple of distinct ones, "
+                              f"got {self.pack_sets!r}")
         if not isinstance(self.stream_ordered, bool):
             raise ConfigError(f"stream_ordered must be a bool, got {self.stream_ordered!r}")
         try:
@@ -121,6 +126,12 @@ class KVCacheConfig:
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}") from exc
         if device.type not in ("cpu", "cuda"):
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def pack_sizes(self) -> tuple[int, ...]:
+        """The pack sizes of :attr:`pack_sets`, largest first."""
+        sizes = self.pack_sets if isinstance(self.pack_sets, tuple) else (self.pack_sets,)
+        return tuple(sorted(sizes, reverse=True))
 
     @property
     def torch_device(self) -> torch.device:
@@ -176,10 +187,26 @@ def pack_mb(default: int = 0) -> int:
     return env_int(PACK_MB_ENV, default, minimum=0)
 
 
-def pack_sets() -> int:
-    """``$VATTN_PACK_SETS``: page-sets per pack (``pack_sets``; a power of 2, checked by
-    :class:`KVCacheConfig`), default 8."""
-    return env_int(PACK_SETS_ENV, 8, minimum=2)
+def pack_sets() -> int | tuple[int, ...]:
+    """``$VATTN_PACK_SETS``: page-sets per pack (``pack_sets``), default 8; several sizes as a
+    comma list, ``8,16,32`` (powers of 2, checked by :class:`KVCacheConfig`).
+
+    Raises
+    ------
+    ConfigError
+        A value that is not an integer >= 2 or a comma list of them.
+    """
+    raw = os.environ.get(PACK_SETS_ENV, "")
+    if "," not in raw:
+        return env_int(PACK_SETS_ENV, 8, minimum=2)
+    try:
+        sizes = tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 2:
+        raise ConfigError(f"{PACK_SETS_ENV} must be an integer >= 2 or a comma list of them "
+                          f"(e.g. 8,16,32), got {raw!r}")
+    return sizes
 
 
 def stage_prefixes(default: bool = True) -> bool:

@@ -20,6 +20,10 @@ class PackRuns:
         found = self.packs.span(slot, rng, index)
         return None if found is None else found[0]
 
+    def _span_size(self, slot: int, rng: int, start: int) -> int:
+        """The page-sets of the pack run that starts at ``start`` of ``slot`` in ``rng``."""
+        return self.packs.spans[(slot, rng)][start].size
+
     def _pack_plan(self, index: int, sets: list) -> dict[int, tuple]:
         """Per whole packable run of ``sets`` (mapped at ``index ..``): ``start -> (pack,
         False)`` when a pack holds it, ``(its pages per range, True)`` when this hit should
@@ -27,8 +31,7 @@ class PackRuns:
         plan: dict[int, tuple] = {}
         if self.packs is None:
             return plan
-        size = self.packs.size
-        for start in self.packs.runs(index, len(sets)):
+        for start, size in self.packs.runs(index, len(sets)):
             run = sets[start - index:start - index + size]
             per_range = tuple(tuple(pids[rng] for pids in run) for rng in range(len(self.bases)))
             pack = self.packs.lookup(start, per_range)
@@ -49,7 +52,7 @@ class PackRuns:
             if pos < start:
                 freed += self._put_range(slot, rng, pos, [pids[rng] for pids in sets[pos - index:start - index]])
             freed += self._put_pack(slot, rng, start, pack)
-            pos = start + self.packs.size
+            pos = start + pack.size
         if pos < index + len(sets):
             freed += self._put_range(slot, rng, pos, [pids[rng] for pids in sets[pos - index:]])
         return freed
@@ -57,7 +60,7 @@ class PackRuns:
     def _put_pack(self, slot: int, rng: int, start: int, pack) -> int:
         """Map ``pack`` at ``start ..`` of ``slot`` in ``rng`` (one map and one access call),
         replacing what is there; the record names the run's own pages, each gaining a reference."""
-        size, nbytes = self.packs.size, self.layout.page_bytes
+        size, nbytes = pack.size, self.layout.page_bytes
         found = self.packs.span(slot, rng, start)
         if found is not None and found[1] is pack:   # already there: a retry after its access
             self._restore_access(slot, rng)          # call failed grants it (else no call)
@@ -100,8 +103,9 @@ class PackRuns:
             while i < hi:
                 span = self._span(slot, rng, i)
                 if span is not None:
+                    end = span + self._span_size(slot, rng, span)
                     freed += self._unpack(slot, rng, span, i, hi)
-                    i = span + self.packs.size
+                    i = end
                     continue
                 if pages[i] >= 0:
                     self.counters.unmap_calls += 1
@@ -124,7 +128,7 @@ class PackRuns:
         DriverError
             The unmap failed (nothing changed), or a remap did (that position is a hole now).
         """
-        size, nbytes = self.packs.size, self.layout.page_bytes
+        size, nbytes = self._span_size(slot, rng, start), self.layout.page_bytes
         pages = self.mapped[slot][rng]
         self.counters.unmap_calls += 1
         self.call("unmap", self.va(rng, slot, start), size * nbytes)
@@ -183,7 +187,7 @@ class PackRuns:
         it from there: now when the run's blocks were bound in an earlier step, else at the next
         step (:meth:`fill_packs`). Best effort: no room, or a failed driver call, leaves it
         unbuilt."""
-        packs, size = self.packs, self.packs.size
+        packs, size = self.packs, len(per_range[0])
         if any(self.at(slot, i) is None for i in range(start, start + size)):
             return                              # not all mapped (a failed call part way)
         try:
@@ -209,7 +213,7 @@ class PackRuns:
     def _fill(self, pack, slot: int) -> None:
         """Copy ``pack``'s run from ``slot`` into it (best effort: a slot that no longer maps the
         run, or a failed driver call, drops the pack)."""
-        packs, size, start = self.packs, self.packs.size, pack.start
+        packs, size, start = self.packs, pack.size, pack.start
         here = tuple(tuple(pages[start:start + size]) for pages in self.mapped[slot])
         if here != pack.pids or self.usable(slot) < start + size or not packs.intact(pack):
             packs.discard(pack)                 # the slot moved on: nothing to copy from

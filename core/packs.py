@@ -3,7 +3,7 @@
 The driver charges per physical allocation mapped (~30 µs of access grant on an H100 whatever
 its size), and the pool holds one 2 MiB allocation per page, so a prefix hit costs one grant per
 page per request. A pack holds ``size`` page-sets of a hit run (positions ``start ..``, ``start``
-a multiple of ``size``) in one allocation per range; every later region that maps the same run
+a multiple of ``size``; with several sizes a run is tiled largest first) in one allocation per range; every later region that maps the same run
 maps the pack instead: one call per range. The slot record does not change: each position still
 names the key's own pool page (referenced as a mapping), which keeps that page, and so the
 bytes the pack copied, alive while any region maps the pack. A pack is found by its pages and
@@ -46,6 +46,10 @@ class Pack:
     used_at: int = 0     # for dropping the least recently used idle pack
     ready: bool = False  # filled: hits may map it
 
+    @property
+    def size(self) -> int:
+        return len(self.pids[0])
+
 
 class Packs:
     """The packs of one cache, within ``budget_pages`` pages (0: off).
@@ -54,8 +58,9 @@ class Packs:
     ----------
     driver, pool
         The cache's driver and page pool.
-    size : int
-        Page-sets per pack (a power of two >= 2; runs are matched at multiples of it).
+    sizes : tuple[int, ...]
+        Page-sets per pack, largest first (powers of two >= 2; a run of one size is matched at
+        multiples of it): a hit is tiled with the largest that fits each aligned start.
     budget_pages : int
         Physical pages the packs may hold in all (each pack: ``size`` per range), on top of the
         pool.
@@ -63,9 +68,12 @@ class Packs:
         The layout's.
     """
 
-    def __init__(self, driver, pool, *, size: int, budget_pages: int, num_ranges: int, page_bytes: int):
+    def __init__(self, driver, pool, *, sizes: tuple[int, ...], budget_pages: int, num_ranges: int,
+                 page_bytes: int):
         self.driver, self.pool = driver, pool
-        self.size, self.budget, self.num_ranges, self.page_bytes = size, budget_pages, num_ranges, page_bytes
+        self.sizes = tuple(sorted(sizes, reverse=True))
+        self.size = self.sizes[0]                               # the largest (scratch areas)
+        self.budget, self.num_ranges, self.page_bytes = budget_pages, num_ranges, page_bytes
         self.by_key: dict[tuple, Pack] = {}                     # (start, range 0's pages) -> pack
         self.live: set[Pack] = set()                            # every pack not released yet
         self.spans: dict[tuple[int, int], dict[int, Pack]] = {}  # (slot, range) -> {start: pack}
@@ -86,19 +94,26 @@ class Packs:
     @property
     def held(self) -> int:
         """Physical pages the live packs hold."""
-        return len(self.live) * self.size * self.num_ranges
+        return sum(pack.size for pack in self.live) * self.num_ranges
 
     @property
     def enabled(self) -> bool:
-        return self.size >= 2 and self.budget >= self.size * self.num_ranges
+        return self.budget >= self.sizes[-1] * self.num_ranges
 
     # -- finding ---------------------------------------------------------------------------------
-    def runs(self, index: int, count: int) -> list[int]:
-        """Starts of the whole packable runs inside positions ``index .. index + count - 1``."""
+    def runs(self, index: int, count: int) -> list[tuple[int, int]]:
+        """``(start, size)`` of the whole packable runs inside positions ``index .. index + count
+        - 1``: from each position on, the largest size that starts there (a multiple of it) and
+        fits, else the next multiple of the smallest size."""
         if not self.enabled:
             return []
-        first = -(-index // self.size) * self.size
-        return list(range(first, index + count - self.size + 1, self.size))
+        out, pos, end, step = [], index, index + count, self.sizes[-1]
+        pos = -(-pos // step) * step
+        while pos + step <= end:
+            size = next((n for n in self.sizes if pos % n == 0 and pos + n <= end), step)
+            out.append((pos, size))
+            pos += size
+        return out
 
     def lookup(self, start: int, per_range: tuple) -> Pack | None:
         """The pack holding the run ``per_range`` (per range, its pages) at ``start``, if its
@@ -137,7 +152,8 @@ class Packs:
     def create(self, start: int, per_range: tuple) -> Pack | None:
         """A new pack for the run (allocations made, nothing copied yet: :meth:`fill`), dropping
         least recently used idle packs for room; ``None`` when the budget is held by packs in use."""
-        need = self.size * self.num_ranges
+        size = len(per_range[0])
+        need = size * self.num_ranges
         while self.held + need > self.budget:
             idle = [p for p in self.live if not p.users]
             if not idle:
@@ -146,7 +162,7 @@ class Packs:
         handles: list = []
         try:
             for _ in range(self.num_ranges):
-                handles.append(self.driver.create(self.size * self.page_bytes))
+                handles.append(self.driver.create(size * self.page_bytes))
         except DriverError:
             for handle in handles:
                 self.driver.release(handle)
@@ -189,9 +205,9 @@ class Packs:
         current stream. The scratch areas are a ring (:data:`SCRATCH_AREAS`): an area is unmapped
         when it comes round again, after its copy's fence, so builds in one step never wait. A
         failed call leaves the pack unfilled: the caller drops it (:meth:`discard`)."""
-        nbytes = self.size * self.page_bytes
+        nbytes, room = pack.size * self.page_bytes, self.size * self.page_bytes
         if self._scratch is None:
-            total = SCRATCH_AREAS * self.num_ranges * nbytes
+            total = SCRATCH_AREAS * self.num_ranges * room
             self._scratch = self.driver.reserve(total)
             self._view = self.driver.view(self._scratch, total)
             self._areas = [{"mapped": [], "fence": None, "pack": None} for _ in range(SCRATCH_AREAS)]
@@ -200,15 +216,15 @@ class Packs:
         area = self._areas[index]
         self._clear_area(area)
         area["pack"] = pack
-        base = index * self.num_ranges * nbytes
+        base = index * self.num_ranges * room
         area["fence"] = None
         try:
             for rng, handle in enumerate(pack.handles):
-                va = self._scratch + base + rng * nbytes
-                self.driver.map(va, nbytes, handle)
-                area["mapped"].append(va)
-                self.driver.set_access(va, nbytes)
-                self._view[base + rng * nbytes:base + (rng + 1) * nbytes].copy_(source(rng))
+                at = base + rng * room
+                self.driver.map(self._scratch + at, nbytes, handle)
+                area["mapped"].append((self._scratch + at, nbytes))
+                self.driver.set_access(self._scratch + at, nbytes)
+                self._view[at:at + nbytes].copy_(source(rng))
         finally:                                # one fence after the copies queued (all, or some)
             if area["mapped"]:
                 area["fence"] = self.driver.record_fence()
@@ -222,8 +238,7 @@ class Packs:
 
     def scratch_pages(self) -> set[int]:
         """Page addresses the scratch areas map now (for the driver checks of the tests)."""
-        nbytes = self.size * self.page_bytes
-        return {va + i * self.page_bytes for area in self._areas for va in area["mapped"]
+        return {va + i * self.page_bytes for area in self._areas for va, nbytes in area["mapped"]
                 for i in range(nbytes // self.page_bytes)}
 
     def _clear_area(self, area: dict) -> None:
@@ -232,9 +247,8 @@ class Packs:
             return
         if area["fence"] is not None and not area["fence"].done():
             area["fence"].wait()
-        nbytes = self.size * self.page_bytes
         while area["mapped"]:
-            self.driver.unmap(area["mapped"][-1], nbytes)
+            self.driver.unmap(*area["mapped"][-1])
             area["mapped"].pop()
         area["pack"] = None
 
@@ -255,9 +269,12 @@ class Packs:
         spans = self.spans.get((slot, rng))
         if not spans:
             return None
-        start = index - index % self.size
-        pack = spans.get(start)
-        return None if pack is None else (start, pack)
+        for size in self.sizes:
+            start = index - index % size
+            pack = spans.get(start)
+            if pack is not None and index < start + pack.size:
+                return start, pack
+        return None
 
     def mapped(self, slot: int, rng: int, start: int, pack: Pack) -> None:
         self.spans.setdefault((slot, rng), {})[start] = pack
@@ -284,7 +301,7 @@ class Packs:
         users: dict[int, int] = {}
         for (slot, rng), spans in self.spans.items():
             for start, pack in spans.items():
-                have = tuple(mapped[slot][rng][start:start + self.size])
+                have = tuple(mapped[slot][rng][start:start + pack.size])
                 if have != pack.pids[rng]:
                     raise VattnError(f"slot {slot} range {rng}: pack span at {start} records "
                                      f"{list(have)}, the pack holds {list(pack.pids[rng])}")

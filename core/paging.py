@@ -176,7 +176,7 @@ class SlotPages(PackRuns):
                 if fence is not None and not fence.done():
                     self.counters.fence_waits += 1
                     fence.wait()
-                freed += self._unpack(slot, rng, span, max(num_sets, span), span + self.packs.size)
+                freed += self._unpack(slot, rng, span, max(num_sets, span), span + self._span_size(slot, rng, span))
                 continue                        # its positions from num_sets on are holes now
             if pages[-1] >= 0:                  # -1: a hole left by a failed remap, not mapped
                 if fence is None:
@@ -248,7 +248,8 @@ class SlotPages(PackRuns):
                 continue
             span = self._span(slot, rng, i)
             if span is not None:                # a pack's run: its other positions map their own
-                freed += self._unpack(slot, rng, span, i, min(span + self.packs.size, index + len(pids)))
+                freed += self._unpack(slot, rng, span, i, min(span + self._span_size(slot, rng, span),
+                                                               index + len(pids)))
             va = self.va(rng, slot, i)
             old = pages[i] if i < len(pages) else -1
             if old >= 0:

@@ -511,6 +511,8 @@ CASES = [
          "VATTN_PACK_MB must be", _with_env(_pack_env, VATTN_PACK_MB="-1")),
     Case("pack-sets-env", "core.config.pack_sets", "VATTN_PACK_SETS=1", ConfigError,
          "VATTN_PACK_SETS must be", _with_env(_pack_env, VATTN_PACK_SETS="1")),
+    Case("pack-sets-env-list", "core.config.pack_sets", "VATTN_PACK_SETS=8,x", ConfigError,
+         "VATTN_PACK_SETS must be an integer >= 2 or a comma list", _with_env(_pack_env, VATTN_PACK_SETS="8,x")),
     Case("vllm-version", "adapters.vllm.version.check_version", '"0.5.0"', UnsupportedError,
          "was verified on vLLM", _call("vattn.adapters.vllm.version", "check_version", "0.5.0")),
     # -- the SGLang adapter's sizing ---------------------------------------------------------------

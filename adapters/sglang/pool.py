@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 def make_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                max_requests: int, max_context: int, device: str, group_size: int = 1,
                page_budget=0.9, map_ahead_tokens: int = 0, page_bytes: int | None = None,
-               driver=None, pack_pages: int = 0, pack_sets: int = 8) -> VirtualKVCache:
+               driver=None, pack_pages: int = 0, pack_sets: int | tuple[int, ...] = 8) -> VirtualKVCache:
     """Build the :class:`VirtualKVCache` behind a pool: ``max_requests`` slots plus the pad slot
     (``driver``: the cache's driver, default the device's; ``pack_pages`` / ``pack_sets``: packs
     of shared runs, see :class:`~vattn.core.KVCacheConfig`)."""

@@ -112,7 +112,7 @@ def block_size_for_vllm(vllm_config) -> int:
 def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  num_blocks: int, max_num_reqs: int, max_model_len: int, device: str,
                  group_size: int | None = None, exact: bool = False, pack_mb: int = 0,
-                 pack_sets: int = 8) -> KVCacheConfig:
+                 pack_sets: int | tuple[int, ...] = 8) -> KVCacheConfig:
     """The :class:`KVCacheConfig` matching vLLM's block accounting.
 
     ``page_budget`` = ``num_blocks`` page-sets: one for the padding slot (vLLM keeps block 0 as

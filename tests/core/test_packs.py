@@ -55,6 +55,29 @@ def test_the_second_hit_packs_a_run_written_before_and_later_hits_map_it_with_on
         cache.audit()
 
 
+def test_packs_of_several_sizes_tile_a_hit_largest_first():
+    """Sizes (4, 2): a 6-page-set hit is one pack of 4 and one of 2 (the run at 4 cannot start a
+    pack of 4), mapped with one call per range each; a trim inside the 4 unpacks only it."""
+    with _cache(pack_sets=(2, 4), pack_pages=32, max_context=6 * T) as cache:
+        ranges, keys = cache.layout.num_ranges, [f"m{i}" for i in range(6)]
+        packs = cache._pages.packs
+        assert packs.runs(0, 6) == [(0, 4), (4, 2)] and packs.runs(1, 6) == [(2, 2), (4, 2)]
+        owner = _hit(cache, keys, value=4)
+        _hit(cache, keys)
+        _hit(cache, keys)                                    # the second hit: both packs, filled
+        assert sorted(p.size for p in packs.live) == [2, 4] and cache.metrics()["packs_built"] == 2
+        before = cache.metrics()["map_calls"]
+        slot = _hit(cache, keys)
+        assert cache.metrics()["map_calls"] - before == 2 * ranges
+        assert packs.span(slot, 0, 3) == (0, packs.spans[(slot, 0)][0]) and packs.span(slot, 0, 5)[0] == 4
+        assert same(cache, slot, 0, 6 * T, 4) and same(cache, owner, 0, 6 * T, 4)
+        with cache._cond:
+            cache._pages.trim(slot, 3)                       # inside the pack of 4
+        assert packs.span(slot, 0, 0) is None and cache._pages.usable(slot) == 3
+        assert same(cache, slot, 0, 3 * T, 4)
+        cache.audit()
+
+
 def test_a_pack_never_copies_a_run_before_the_step_that_writes_it():
     """vLLM caches a block, and other requests hit it, in the step that computes it: a pack made
     then must copy the run only after that step's forward (here: the bytes written after the
@@ -166,6 +189,8 @@ def test_a_failed_pack_build_is_skipped():
 
 
 @pytest.mark.parametrize("over, match", [({"pack_pages": -1}, "pack_pages"), ({"pack_sets": 3}, "pack_sets"),
+                                         ({"pack_sets": (2, 2)}, "distinct"), ({"pack_sets": (4, 6)}, "pack_sets"),
+                                         ({"pack_sets": ()}, "pack_sets"),
                                          ({"pack_sets": 1}, "pack_sets"), ({"pack_pages": True}, "pack_pages")])
 def test_pack_config_is_checked(over, match):
     with pytest.raises(ConfigError, match=match):
@@ -203,3 +228,18 @@ def test_the_start_up_line_names_the_pack_budget():
         assert "packs of 2 page-sets up to 1 MiB beside the pool" in cache.summary()   # 16 x 64 KiB
     with _cache(pack_pages=0) as cache:
         assert "packs" not in cache.summary()
+
+
+@pytest.mark.parametrize("raw, want", [("", 8), ("16", 16), ("8,16,32", (8, 16, 32))])
+def test_pack_sets_env_takes_one_size_or_a_comma_list(monkeypatch, raw, want):
+    from vattn.core.config import pack_sets
+    monkeypatch.setenv("VATTN_PACK_SETS", raw)
+    assert pack_sets() == want
+
+
+@pytest.mark.parametrize("raw", ["8,x", "1,8", "8,,16"])
+def test_pack_sets_env_refuses_a_bad_list(monkeypatch, raw):
+    from vattn.core.config import pack_sets
+    monkeypatch.setenv("VATTN_PACK_SETS", raw)
+    with pytest.raises(ConfigError, match=r"VATTN_PACK_SETS must be an integer >= 2 or a comma list"):
+        pack_sets()

@@ -37,7 +37,7 @@ def _check_driver(cache, host: HostDriver) -> None:
     packs = pages.packs                 # a pack's run: the pack's allocation, page by page
     for (slot, rng), spans in (packs.spans.items() if packs is not None else ()):
         for start, pack in spans.items():
-            for index in range(start, start + packs.size):
+            for index in range(start, start + pack.size):
                 want[pages.va(rng, slot, index)] = pack.handles[rng]
     scratch = packs.scratch_pages() if packs is not None else set()   # builds' copies, until reused
     retired = {pages.va(rng, slot, index) for slot, (_, spots) in pages.retired.items()
@@ -159,6 +159,20 @@ def test_sharing_with_packs_a_lagging_device_and_driver_faults():
     assert t["prefix_hits"] > 50 and t["kills"] > 20, t
 
 
+class MultiPackedLaggingFaultySharingMachine(LaggingFaultySharingMachine):
+    """Packs of two sizes (4 and 2 page-sets) with the device trailing and driver faults."""
+    pack_pages, pack_sets = 16, (2, 4)
+
+    def _hit(self, choice: int, length: int) -> list[int]:
+        return super()._hit(choice, min(2 * length, 4))   # whole runs of 4 come up often
+
+
+def test_sharing_with_packs_of_two_sizes_a_lagging_device_and_driver_faults():
+    t = run_machine(MultiPackedLaggingFaultySharingMachine, steps=120)
+    assert t["packs_built"] > 5 and t["big_packs"] > 5 and t["pages_packed"] > 10, t
+    assert t["prefix_hits"] > 50 and t["kills"] > 20, t
+
+
 def test_a_pack_whose_access_call_failed_gets_it_on_the_retry():
     """Found by 120-rule runs (2026-12-06): a hit mapped a pack, its access call failed, the
     bind's retry found the pack in place and returned without granting access; the request then
@@ -182,7 +196,8 @@ def test_a_pack_whose_access_call_failed_gets_it_on_the_retry():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("machine", [PackedLaggingSharingMachine, PackedLaggingFaultySharingMachine,
-                                     LaggingFaultySharingMachine], ids=lambda m: m.__name__)
+                                     LaggingFaultySharingMachine, MultiPackedLaggingFaultySharingMachine],
+                         ids=lambda m: m.__name__)
 def test_sharing_machines_300_rules(machine):
     """Longer runs than CI's (they found the packs' bugs of 2026-12-06): ``VATTN_SLOW=1``."""
     t = run_machine(machine, steps=300)

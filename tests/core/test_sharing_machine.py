@@ -37,6 +37,7 @@ class SharingMachine(RuleBasedStateMachine):
     totals: dict = {}
     stream_ordered = False             # reclaim waits on fences (True: retires, see the lag machine)
     pack_pages = 0                     # > 0: shared runs of 2 page-sets packed (see PackedMachine)
+    pack_sets: int | tuple = 2         # (2, 4): runs of 4 packed whole, the rest in runs of 2
 
     def __init__(self):
         super().__init__()
@@ -44,7 +45,7 @@ class SharingMachine(RuleBasedStateMachine):
                                 head_dim=PAGE // 256, page_bytes=PAGE, page_budget=2 * SETS * PAGE,
                                 max_context=6 * T, max_slots=SLOTS, map_ahead_tokens=T,
                                 stream_ordered=self.stream_ordered, driver=self.make_driver(),
-                                pack_pages=self.pack_pages, pack_sets=2)
+                                pack_pages=self.pack_pages, pack_sets=self.pack_sets)
         self.cache.prewarm(T)          # as the engines do: loose page-sets mapped in idle slots
         k, v = self.cache.k(0).view(torch.int16), self.cache.v(0).view(torch.int16)
         self.kv = k.as_strided((2, *k.shape), (v.storage_offset() - k.storage_offset(), *k.stride())).numpy()
@@ -66,6 +67,9 @@ class SharingMachine(RuleBasedStateMachine):
                      "pages_retired", "page_sets_staged", "packs_built", "pages_packed", "pack_unpacks"):
             SharingMachine.totals[name] = SharingMachine.totals.get(name, 0) + m[name]
         SharingMachine.totals["evicting"] = SharingMachine.totals.get("evicting", 0) + (not self.never_used)
+        packs = self.cache._pages.packs
+        sizes = [pack.size for pack in packs.live] if packs is not None else []
+        SharingMachine.totals["big_packs"] = SharingMachine.totals.get("big_packs", 0) + sum(n > 2 for n in sizes)
         self.kv = None
         self.cache.close()
 
@@ -291,6 +295,21 @@ class PackedMachine(SharingMachine):
 def test_sharing_state_machine_with_packs():
     t = run_machine(PackedMachine, steps=120)
     assert t["packs_built"] > 10 and t["pages_packed"] > 10 and t["pack_unpacks"] > 5, t
+    assert t["prefix_hits"] > 100 and t["page_sets_moved"] > 10 and t["copied"] > 50, t
+
+
+class MultiPackedMachine(SharingMachine):
+    """Packs of two sizes (4 and 2 page-sets): a hit run is tiled with a pack of 4 where one
+    starts and fits, else packs of 2; runs of both sizes cross every rule."""
+    pack_pages, pack_sets = 16, (2, 4)
+
+    def _hit(self, choice: int, length: int) -> list[int]:
+        return super()._hit(choice, min(2 * length, 4))   # whole runs of 4 come up often
+
+
+def test_sharing_state_machine_with_packs_of_two_sizes():
+    t = run_machine(MultiPackedMachine, steps=120)
+    assert t["packs_built"] > 10 and t["big_packs"] > 10 and t["pack_unpacks"] > 5, t
     assert t["prefix_hits"] > 100 and t["page_sets_moved"] > 10 and t["copied"] > 50, t
 
 
