@@ -23,7 +23,7 @@ from vattn.core.driver.faults import FaultInjector
 from vattn.core.driver.lag import LaggingFences
 
 from tests.core.test_sharing_faults_machine import FaultySharingMachine
-from tests.core.test_sharing_machine import PAGE, SharingMachine, run_machine
+from tests.core.test_sharing_machine import PAGE, SharingMachine, TwoPackSizes, run_machine
 
 
 def _check_driver(cache, host: HostDriver) -> None:
@@ -159,12 +159,8 @@ def test_sharing_with_packs_a_lagging_device_and_driver_faults():
     assert t["prefix_hits"] > 50 and t["kills"] > 20, t
 
 
-class MultiPackedLaggingFaultySharingMachine(LaggingFaultySharingMachine):
+class MultiPackedLaggingFaultySharingMachine(TwoPackSizes, LaggingFaultySharingMachine):
     """Packs of two sizes (4 and 2 page-sets) with the device trailing and driver faults."""
-    pack_pages, pack_sets = 16, (2, 4)
-
-    def _hit(self, choice: int, length: int) -> list[int]:
-        return super()._hit(choice, min(2 * length, 4))   # whole runs of 4 come up often
 
 
 def test_sharing_with_packs_of_two_sizes_a_lagging_device_and_driver_faults():

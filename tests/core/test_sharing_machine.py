@@ -298,18 +298,22 @@ def test_sharing_state_machine_with_packs():
     assert t["prefix_hits"] > 100 and t["page_sets_moved"] > 10 and t["copied"] > 50, t
 
 
-class MultiPackedMachine(SharingMachine):
-    """Packs of two sizes (4 and 2 page-sets): a hit run is tiled with a pack of 4 where one
-    starts and fits, else packs of 2; runs of both sizes cross every rule."""
+class TwoPackSizes:
+    """A machine mixin: packs of two sizes (4 and 2 page-sets; a hit run is tiled with a pack of
+    4 where one starts and fits, else packs of 2), with hits of 4 page-sets made common."""
     pack_pages, pack_sets = 16, (2, 4)
 
     def _hit(self, choice: int, length: int) -> list[int]:
-        return super()._hit(choice, min(2 * length, 4))   # whole runs of 4 come up often
+        return super()._hit(choice, min(2 * length, 4))
+
+
+class MultiPackedMachine(TwoPackSizes, SharingMachine):
+    """Runs of both pack sizes cross every rule."""
 
 
 def test_sharing_state_machine_with_packs_of_two_sizes():
     t = run_machine(MultiPackedMachine, steps=120)
-    assert t["packs_built"] > 10 and t["big_packs"] > 10 and t["pack_unpacks"] > 5, t
+    assert t["packs_built"] > 10 and t["big_packs"] > 2 and t["pack_unpacks"] > 5, t   # big: live at teardown
     assert t["prefix_hits"] > 100 and t["page_sets_moved"] > 10 and t["copied"] > 50, t
 
 
