@@ -154,6 +154,8 @@ class Packs:
         least recently used idle packs for room; ``None`` when the budget is held by packs in use."""
         size = len(per_range[0])
         need = size * self.num_ranges
+        if need > self.budget:                  # a size the budget never holds: evict nothing
+            return None
         while self.held + need > self.budget:
             idle = [p for p in self.live if not p.users]
             if not idle:

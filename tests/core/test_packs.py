@@ -78,6 +78,19 @@ def test_packs_of_several_sizes_tile_a_hit_largest_first():
         cache.audit()
 
 
+def test_a_pack_size_the_budget_cannot_hold_evicts_nothing():
+    """Sizes (2, 4) with room for one pack of 2 only: a pack of 4, which could never fit, is
+    refused without dropping the pack of 2 already built."""
+    with _cache(pack_sets=(2, 4), pack_pages=4) as cache:
+        packs = cache._pages.packs
+        assert cache.layout.num_ranges == 2                          # a pack of 2: 4 pages
+        _packed(cache, ["p0", "p1"], 2)
+        (small,) = packs.live
+        assert packs.create(0, ((1, 2, 3, 4), (5, 6, 7, 8))) is None
+        assert packs.live == {small}
+        cache.audit()
+
+
 def test_a_pack_never_copies_a_run_before_the_step_that_writes_it():
     """vLLM caches a block, and other requests hit it, in the step that computes it: a pack made
     then must copy the run only after that step's forward (here: the bytes written after the
