@@ -236,9 +236,38 @@ def test_on_cuda_a_pack_reads_the_same_bytes_and_a_write_beside_it_stays_private
         cache.audit()
 
 
+@pytest.mark.gpu
+def test_on_cuda_packs_of_two_sizes_tile_a_hit_and_read_the_same_bytes():
+    """The CUDA driver's side of several sizes: allocations of 4 and of 2 pages mapped whole into
+    one region, each filled through the scratch areas sized for the largest, and a trim inside
+    the pack of 4 going back to the own pages."""
+    import torch
+    with make_cache("cuda", pack_pages=64, pack_sets=(2, 4), max_slots=6, max_context=32768,
+                    page_budget=96 * (2 << 20)) as cache:
+        t, keys = cache.layout.tokens_for(1), [f"q{i}" for i in range(6)]
+        owner = cache.acquire()
+        assert cache.bind(owner, 0, keys)
+        cache.ensure({owner: 6 * t})
+        fill(cache, owner, 0, 6 * t, 6)
+        slots = [_hit(cache, keys) for _ in range(2)]
+        cache.ensure({})                                 # the step ends: the next fills the packs
+        slots.append(_hit(cache, keys))
+        assert sorted(p.size for p in cache._pages.packs.live) == [2, 4]
+        torch.cuda.synchronize()
+        for slot in [owner, *slots]:
+            assert same(cache, slot, 0, 6 * t, 6)
+        with cache._cond:
+            cache._pages.trim(slots[-1], 3)
+        torch.cuda.synchronize()
+        assert same(cache, slots[-1], 0, 3 * t, 6) and same(cache, owner, 0, 6 * t, 6)
+        cache.audit()
+
+
 def test_the_start_up_line_names_the_pack_budget():
     with _cache() as cache:
         assert "packs of 2 page-sets up to 1 MiB beside the pool" in cache.summary()   # 16 x 64 KiB
+    with _cache(pack_sets=(4, 2)) as cache:
+        assert "packs of 2/4 page-sets" in cache.summary()
     with _cache(pack_pages=0) as cache:
         assert "packs" not in cache.summary()
 
