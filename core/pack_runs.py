@@ -78,12 +78,12 @@ class PackRuns:
             if -1 in pages[start:]:
                 self.holes.add(slot)
             raise
-        for i, pid in enumerate(pack.pids[rng], start=start):
-            self.pool.refs[pid] += 1            # shared: referenced elsewhere already
-            if i < len(pages):
-                pages[i] = pid
-            else:
-                self.add_page(slot, rng, pid)
+        pids = pack.pids[rng]
+        self.pool.refs[list(pids)] += 1         # shared: referenced elsewhere already (distinct)
+        inside = max(0, min(len(pages) - start, size))
+        pages[start:start + inside] = pids[:inside]
+        for pid in pids[inside:]:               # beyond the slot's pages: appended
+            self.add_page(slot, rng, pid)
         self.packs.mapped(slot, rng, start, pack)
         self.counters.pages_aliased += size
         self.counters.pages_packed += size
