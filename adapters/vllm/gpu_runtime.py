@@ -249,9 +249,7 @@ class GpuRuntime:
     def metrics(self) -> dict:
         """Core metrics plus this adapter's step timing and the layout's worst-case waste (with
         ``$VATTN_STEP_TRACE``, the step trace is written too)."""
-        if self.trace is not None:
-            self.device_wait.collect()
-            self.trace.write()
+        self._write_trace()
         return self.cache.metrics() | {
             "apply_step_us": self.step_us.as_dict(), "on_blocks_us": self.blocks_us.as_dict(),
             "apply_device_wait_us": self.device_wait.collect().as_dict(),
@@ -269,11 +267,15 @@ class GpuRuntime:
         removes a finished request one step late, so an idle engine still lists its last batch)."""
         return self.metrics() | {"requests_holding_slots": len(self._slot)}
 
-    def close(self) -> None:
-        if getattr(self, "snapshots", None) is not None:
-            self.snapshots.close()
+    def _write_trace(self) -> None:
+        """Write ``$VATTN_STEP_TRACE`` with the idle times of every section completed so far."""
         if getattr(self, "trace", None) is not None:
             self.device_wait.collect()
             self.trace.write()
+
+    def close(self) -> None:
+        if getattr(self, "snapshots", None) is not None:
+            self.snapshots.close()
+        self._write_trace()
         self._kv.clear()
         self.cache.close()

@@ -210,6 +210,19 @@ def test_pack_config_is_checked(over, match):
         make_cache(**over)
 
 
+def _written_then_hit_three_times(cache, keys, value):
+    """An owner binds and writes ``keys`` in one step; two hits in it (the second makes the
+    packs, filled once the step ends), one more hit in the next. Returns (owner, the three)."""
+    t = cache.layout.tokens_for(1)
+    owner = cache.acquire()
+    assert cache.bind(owner, 0, keys)
+    cache.ensure({owner: len(keys) * t})
+    fill(cache, owner, 0, len(keys) * t, value)
+    slots = [_hit(cache, keys) for _ in range(2)]
+    cache.ensure({})                                     # the step ends: the next fills the packs
+    return owner, slots + [_hit(cache, keys)]
+
+
 @pytest.mark.gpu
 def test_on_cuda_a_pack_reads_the_same_bytes_and_a_write_beside_it_stays_private():
     """The CUDA driver's side: K-page allocations mapped whole, the copy on the stream."""
@@ -217,14 +230,7 @@ def test_on_cuda_a_pack_reads_the_same_bytes_and_a_write_beside_it_stays_private
     with make_cache("cuda", pack_pages=64, pack_sets=2, max_slots=6, max_context=32768,
                     page_budget=64 * (2 << 20)) as cache:
         t = cache.layout.tokens_for(1)
-        keys = ["h0", "h1"]
-        owner = cache.acquire()
-        assert cache.bind(owner, 0, keys)
-        cache.ensure({owner: 2 * t})
-        fill(cache, owner, 0, 2 * t, 8)
-        slots = [_hit(cache, keys) for _ in range(2)]
-        cache.ensure({})                                 # the step ends: the next fills the pack
-        slots.append(_hit(cache, keys))
+        owner, slots = _written_then_hit_three_times(cache, ["h0", "h1"], 8)
         assert cache.metrics()["packs_built"] == 1 and cache.metrics()["pages_packed"] > 0
         torch.cuda.synchronize()
         for slot in [owner, *slots]:
@@ -244,14 +250,8 @@ def test_on_cuda_packs_of_two_sizes_tile_a_hit_and_read_the_same_bytes():
     import torch
     with make_cache("cuda", pack_pages=64, pack_sets=(2, 4), max_slots=6, max_context=32768,
                     page_budget=96 * (2 << 20)) as cache:
-        t, keys = cache.layout.tokens_for(1), [f"q{i}" for i in range(6)]
-        owner = cache.acquire()
-        assert cache.bind(owner, 0, keys)
-        cache.ensure({owner: 6 * t})
-        fill(cache, owner, 0, 6 * t, 6)
-        slots = [_hit(cache, keys) for _ in range(2)]
-        cache.ensure({})                                 # the step ends: the next fills the packs
-        slots.append(_hit(cache, keys))
+        t = cache.layout.tokens_for(1)
+        owner, slots = _written_then_hit_three_times(cache, [f"q{i}" for i in range(6)], 6)
         assert sorted(p.size for p in cache._pages.packs.live) == [2, 4]
         torch.cuda.synchronize()
         for slot in [owner, *slots]:
