@@ -44,10 +44,21 @@ class Binding:
         st.settle(slot)                               # the worker is appending to this slot
         if st.pages.usable(slot) < start and not self.growth.grow(slot, start, {slot: start}, False)[0]:
             return False
-        if hits:
-            self._bind_hits(slot, start, keys[:hits])
-            table.bound_sets[slot] = max(table.bound_sets[slot], start + hits)
         end = start + len(keys)
+        fresh = end > start + hits
+        if hits:
+            st.pages.defer_access = fresh             # granted with the fresh run above it
+            try:
+                self._bind_hits(slot, start, keys[:hits])
+            finally:
+                st.pages.defer_access = False
+            table.bound_sets[slot] = max(table.bound_sets[slot], start + hits)
+        if fresh and st.pages.usable(slot) < end:
+            # the fresh page-sets above the slot's mapped ones in one growth (one reclaim, one
+            # access call per range for them and the hit below) rather than one each; a short
+            # pool leaves them to the loop
+            self.growth.grow(slot, end, {slot: end}, False)
+        st.pages.grant(slot)                          # the hit's run, where the growth did not
         for index, key in enumerate(keys[hits:], start=start + hits):
             if not self._bind_fresh(slot, index, key, end):
                 return False

@@ -87,6 +87,8 @@ class PackRuns:
         self.packs.mapped(slot, rng, start, pack)
         self.counters.pages_aliased += size
         self.counters.pages_packed += size
+        if self.defer_access:                   # granted with what is mapped above (grant())
+            return freed
         self.counters.set_access_calls += 1
         self.call("set_access", va, size * nbytes)
         self.num_accessible[slot][rng] = max(prev, start + size)

@@ -52,6 +52,8 @@ class SlotPages(PackRuns):
                  bases: list[int], counters: Counters):
         self.cfg, self.layout, self.driver, self.pool = cfg, layout, driver, pool
         self.bases, self.counters = bases, counters
+        #: whether one unmap call may cover several adjacent mappings (the driver says so)
+        self.unmap_spans = bool(getattr(driver, "unmap_spans", False))
         n = layout.num_va_slots
         self.mapped: list[list[list[int]]] = [[[] for _ in bases] for _ in range(n)]
         #: per slot and range, how many pages from the bottom are accessible (mapped + access granted)
@@ -70,6 +72,9 @@ class SlotPages(PackRuns):
         #: ``run_bytes(rng, slot, index, count)``: a ``uint8`` tensor over those positions)
         self.packs = None
         self.run_bytes = None
+        #: while set, :meth:`put` maps without granting access: the caller maps more above the
+        #: run and grants the whole with one call per range (:meth:`grant`)
+        self.defer_access = False
 
     def refresh(self, slot: int) -> None:
         """Recompute ``cap_tokens[slot]`` / ``usable_n[slot]`` / ``head[slot]`` after its pages changed."""
@@ -171,6 +176,15 @@ class SlotPages(PackRuns):
     def _trim_range(self, slot: int, rng: int, num_sets: int, fence=None) -> int:
         pages, freed = self.mapped[slot][rng], 0
         while len(pages) > num_sets:
+            lo = self._plain_top(slot, rng, num_sets) if fence is None else len(pages)
+            if lo < len(pages) - 1:             # several pages of its own on top: one call
+                self.unmap_at(rng, slot, lo, len(pages) - lo)
+                freed += self.pool.give(pages[lo:])
+                self.held_n[slot] -= len(pages) - lo
+                del pages[lo:]
+                self.num_accessible[slot][rng] = min(self.num_accessible[slot][rng], lo)
+                self.refresh(slot)
+                continue
             span = self._span(slot, rng, len(pages) - 1)
             if span is not None:                # a pack's run: unmapped whole, never retired
                 if fence is not None and not fence.done():
@@ -190,13 +204,25 @@ class SlotPages(PackRuns):
             self.refresh(slot)
         return freed
 
-    def unmap_at(self, rng: int, slot: int, index: int) -> None:
-        """Unmap page ``index`` of ``slot`` in ``rng`` (one timed, counted driver call; no record
-        touched)."""
+    def _plain_top(self, slot: int, rng: int, num_sets: int) -> int:
+        """The lowest position, not below ``num_sets``, from which ``slot``'s pages in ``rng``
+        are all mapped pages of its own (no hole, no pack run) up to the top: a run one unmap
+        call may take when the driver unmaps several mappings at once (``len`` if it cannot)."""
+        pages = self.mapped[slot][rng]
+        lo = len(pages)
+        if not self.unmap_spans:
+            return lo
+        while lo > num_sets and pages[lo - 1] >= 0 and self._span(slot, rng, lo - 1) is None:
+            lo -= 1
+        return lo
+
+    def unmap_at(self, rng: int, slot: int, index: int, count: int = 1) -> None:
+        """Unmap pages ``index .. index + count - 1`` of ``slot`` in ``rng`` (one timed, counted
+        driver call; no record touched)."""
         start = time.perf_counter()
         self.counters.unmap_calls += 1
-        self.call("unmap", self.va(rng, slot, index), self.layout.page_bytes)
-        self.counters.unmap_page_us.observe((time.perf_counter() - start) * 1e6)
+        self.call("unmap", self.va(rng, slot, index), count * self.layout.page_bytes)
+        self.counters.unmap_page_us.observe((time.perf_counter() - start) * 1e6 / count)
 
     # -- one page-set at a given index (prefix sharing) ---------------------------------------
     def at(self, slot: int, index: int) -> tuple[int, ...] | None:
@@ -234,9 +260,11 @@ class SlotPages(PackRuns):
                 freed += self._put_segments(slot, rng, index, sets, plan)
         finally:
             self.refresh(slot)
-        for start, (per_range, build) in plan.items():
-            if build:
-                self._build(slot, start, per_range)
+        builds = [(start, per_range) for start, (per_range, build) in plan.items() if build]
+        if builds and self.defer_access:        # a pack is filled from accessible pages
+            self.grant(slot)
+        for start, per_range in builds:
+            self._build(slot, start, per_range)
         return freed
 
     def _put_range(self, slot: int, rng: int, index: int, pids: list[int]) -> int:
@@ -272,6 +300,8 @@ class SlotPages(PackRuns):
                 self.add_page(slot, rng, pid)
             else:
                 pages[i] = pid
+        if self.defer_access:                   # granted with what is mapped above (grant())
+            return freed
         self.counters.set_access_calls += 1
         self.call("set_access", self.va(rng, slot, index), len(pids) * page_bytes)
         self.num_accessible[slot][rng] = max(prev, index + len(pids))
@@ -313,6 +343,13 @@ class SlotPages(PackRuns):
             if -1 in pages:
                 self._trim_range(slot, rng, pages.index(-1))
         self.holes.discard(slot)
+
+    def grant(self, slot: int) -> None:
+        """Grant access to every mapped page of ``slot`` that lacks it (one call per range that
+        has such pages)."""
+        for rng in range(len(self.bases)):
+            self._restore_access(slot, rng)
+        self.refresh(slot)
 
     def _restore_access(self, slot: int, rng: int) -> int:
         """Grant access to ``slot``'s mapped pages in ``rng`` that lack it (one call); returns

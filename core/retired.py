@@ -74,10 +74,14 @@ class RetiredMappings:
                 return False
             pg.counters.fence_waits += 1
             fence.wait()
-        while spots:
+        while spots:                               # trimmed top down: the last is the lowest
             rng, index = spots[-1]
-            pg.unmap_at(rng, slot, index)
-            spots.pop()
+            n = 1
+            if pg.unmap_spans:                     # the run above it in its range: one call
+                while n < len(spots) and spots[-1 - n] == (rng, index + n):
+                    n += 1
+            pg.unmap_at(rng, slot, index, n)
+            del spots[-n:]
         del self._by_slot[slot]
         return True
 

@@ -43,6 +43,9 @@ class Driver(Protocol):
     name: str
     device: torch.device
     granularity: int  # bytes; every size and address below is a multiple of it
+    #: whether :meth:`unmap` may cover several adjacent mappings in one call (optional;
+    #: absent means no: every mapping is unmapped on its own)
+    unmap_spans: bool
 
     def reserve(self, size: int) -> int:
         """Reserve ``size`` bytes of VA with no memory behind it; returns the base address."""
@@ -63,7 +66,8 @@ class Driver(Protocol):
         """Grant read/write access to ``[va, va + size)``, which must be fully mapped."""
 
     def unmap(self, va: int, size: int) -> None:
-        """Unmap ``[va, va + size)``; the VA stays reserved."""
+        """Unmap ``[va, va + size)``, whole mappings only (several adjacent ones where
+        ``unmap_spans``); the VA stays reserved."""
 
     def view(self, va: int, nbytes: int) -> torch.Tensor:
         """A ``uint8`` tensor over ``[va, va + nbytes)`` on this driver's device."""

@@ -75,6 +75,27 @@ class CudaDriver:
         flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
         self.granularity = int(self._call("cuMemGetAllocationGranularity",
                                           cu.cuMemGetAllocationGranularity, prop, flag))
+        self.unmap_spans = self._unmaps_spans()
+
+    def _unmaps_spans(self) -> bool:
+        """Whether this driver unmaps two adjacent mappings with one cuMemUnmap (asked once, on
+        two scratch pages): reclaim then takes a run of pages back in one call."""
+        g, cu = self.granularity, self.cu
+        va = self.reserve(2 * g)
+        handles = [self.create(g), self.create(g)]
+        try:
+            for i, h in enumerate(handles):
+                self.map(va + i * g, g, h)
+            err, = cu.cuMemUnmap(va, 2 * g)
+            if err == cu.CUresult.CUDA_SUCCESS:
+                return True
+            for i in range(2):                  # whatever the failed call left mapped
+                cu.cuMemUnmap(va + i * g, g)
+            return False
+        finally:
+            for h in handles:
+                self.release(h)
+            self.free_va(va, 2 * g)
 
     def _call(self, name: str, fn, *args, shown: dict | None = None):
         result = fn(*args)

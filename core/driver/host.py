@@ -57,6 +57,7 @@ class HostDriver:
     """
 
     name = "host"
+    unmap_spans = True   # munmap takes any whole pages, several mappings at once
 
     def __init__(self, *, granularity: int = 2 << 20):
         os_page = os.sysconf("SC_PAGE_SIZE")

@@ -123,3 +123,34 @@ def test_host_multi_page_allocation_is_mapped_and_unmapped_only_whole():
     finally:
         drv.free_va(base, 16 * g)
         drv.close()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_one_unmap_takes_adjacent_mappings_where_the_driver_says_so(device):
+    """``unmap_spans``: one call over three adjacent one-page mappings unmaps all three (the same
+    addresses map again afterwards); the content of each page outlives its mapping."""
+    drv = _driver(device)
+    g = drv.granularity
+    if not drv.unmap_spans:
+        pytest.skip(f"the {drv.name} driver on this machine unmaps one mapping per call")
+    base = drv.reserve(3 * g)
+    view = drv.view(base, 3 * g)                          # made over unmapped VA, as the cache does
+    handles = [drv.create(g) for _ in range(3)]
+    try:
+        for i, h in enumerate(handles):
+            drv.map(base + i * g, g, h)
+        drv.set_access(base, 3 * g)
+        for i in range(3):
+            view[i * g:(i + 1) * g] = i + 1
+        if device != "cpu":
+            torch.cuda.synchronize()
+        drv.unmap(base, 3 * g)
+        for i, h in enumerate(reversed(handles)):          # all three gone: remapped in reverse
+            drv.map(base + i * g, g, h)
+        drv.set_access(base, 3 * g)
+        assert [int(view[i * g]) for i in range(3)] == [3, 2, 1]
+        drv.unmap(base, 3 * g)
+    finally:
+        for h in handles:
+            drv.release(h)
+        drv.free_va(base, 3 * g)

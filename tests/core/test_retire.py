@@ -65,7 +65,9 @@ def test_reclaim_under_a_pending_fence_waits_or_retires(ordered):
         device.tick()                                        # the device is done with a's request
         assert cache.ensure({b: 9 * per}) == []               # flushed at the next ensure
         assert not old & set(host._mapped) and not cache._pages.retired
-        assert cache.metrics()["unmap_calls"] == unmaps + m["pages_retired"]
+        # one call per range: a range's 8 retired positions are one run (the host driver unmaps
+        # adjacent mappings together)
+        assert cache.metrics()["unmap_calls"] == unmaps + 2 and m["pages_retired"] == 16
         assert device.waits == 0
         cache.audit()
 

@@ -56,6 +56,22 @@ def test_a_hit_maps_the_same_physical_pages_and_fresh_blocks_stay_private(cache)
     assert m["pages_aliased"] == 2 * cache.layout.num_ranges
 
 
+def test_a_hit_and_the_fresh_blocks_of_one_bind_get_one_access_call_per_range(cache):
+    """A request's fresh blocks above its hit grow the slot once, and one access call per range
+    covers the hit's run and theirs, not one per block and one for the hit (an engine binds a
+    request's blocks together when it admits it)."""
+    a = cache.acquire()
+    assert cache.bind(a, 0, ["k0", "k1"])
+    b = cache.acquire()
+    before = cache.counters.set_access_calls
+    assert cache.bind(b, 0, ["k0", "k1", "f2", "f3", "f4"], hits=2)
+    ranges = cache.layout.num_ranges
+    assert cache.counters.set_access_calls - before == ranges
+    cache.ensure({b: 5 * T})
+    fill(cache, b, 2 * T, 5 * T, 4)
+    assert same(cache, b, 2 * T, 5 * T, 4) and cache._pages.at(b, 1) == cache._pages.at(a, 1)
+
+
 def test_cached_content_survives_its_slot_being_reused(cache):
     a = cache.acquire()
     cache.bind(a, 0, ["p0", "p1"])

@@ -11,7 +11,9 @@ cuMemSetAccess (and of cuMemUnmap), mapping the same physical pages into ``--reg
 * ``offsetK``: one big allocation mapped K pages at a time at a non-zero offset (whether the
   driver accepts an offset at all is reported as ``offset_supported``);
 * ``partial_supported``: whether the first page alone of a 4-page allocation can be mapped (offset
-  0, a size below the allocation's).
+  0, a size below the allocation's);
+* ``range_unmap``: whether one cuMemUnmap over a range of several adjacent mappings (one
+  allocation each) unmaps them all, and what it costs per page beside one call per page.
 """
 
 from __future__ import annotations
@@ -77,6 +79,32 @@ def _offset_agrees(drv, cu, base, big, g) -> bool:
     return same
 
 
+def _range_unmap(drv, cu, base, pages, regions) -> dict:
+    """Map ``pages`` (one allocation each) side by side in each region, then unmap each region
+    with one call; the region is mapped again afterwards to show the call left nothing behind."""
+    g, span = drv.granularity, len(pages) * drv.granularity
+    spent = 0.0
+    for r in range(regions):
+        va = base + r * span
+        for i, h in enumerate(pages):
+            drv.map(va + i * g, g, h)
+        drv.set_access(va, span)
+    torch.cuda.synchronize()
+    for r in range(regions):
+        t = time.perf_counter()
+        err, = cu.cuMemUnmap(base + r * span, span)
+        spent += time.perf_counter() - t
+        if err != cu.CUresult.CUDA_SUCCESS:
+            for i in range(len(pages)):                 # leave the region clean for what follows
+                cu.cuMemUnmap(base + r * span + i * g, g)
+            return {"supported": False, "error": str(cu.cuGetErrorName(err)[1])}
+    for i, h in enumerate(pages):                       # all gone: the same addresses map again
+        drv.map(base + i * g, g, h)
+    drv.unmap(base, span)
+    return {"supported": True, "unmap_us_per_page": spent * 1e6 / (len(pages) * regions),
+            "unmap_us_per_call": spent * 1e6 / regions, "pages_per_call": len(pages)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--regions", type=int, default=64)
@@ -99,6 +127,7 @@ def main(argv=None) -> int:
                         regions=args.regions, pieces=pieces, access_each=each)
             if rep:
                 out["cases"].append(row)
+    out["range_unmap"] = _range_unmap(drv, cu, base, small, args.regions)
     for h in small:
         drv.release(h)
     for k in (int(x) for x in args.chunks.split(",")):
