@@ -10,12 +10,7 @@ import numpy as np
 
 from .state import CacheState
 
-__all__ = ["Reclaim", "RECLAIM_SETS"]
-
-#: page-sets a slot gives at least when reclaimed, where one call unmaps a run: the
-#: unmap calls of a burst of admissions that each need a few page-sets are then one per range
-#: per victim instead of one per page
-RECLAIM_SETS = 16
+__all__ = ["Reclaim"]
 
 
 class Reclaim:
@@ -118,16 +113,11 @@ class Reclaim:
 
     def _trim_for(self, slot: int, keep: int, want: int, fence=None) -> int:
         """Unmap ``slot``'s page-sets from the top, not below ``keep``, until ``want`` pages are
-        freed (``fence``: a pending one, see :meth:`SlotPages.trim`); returns the pages freed.
-        A slot gives at least :data:`RECLAIM_SETS` page-sets at once (never below ``keep``)
-        when the driver unmaps a run in one call and the slot's fence has completed: the
-        pages the step asks for next are then in the pool."""
-        st = self.state
-        pages, ranges, freed = st.pages, st.layout.num_ranges, 0
+        freed (``fence``: a pending one, see :meth:`SlotPages.trim`); returns the pages freed."""
+        pages, ranges, freed = self.state.pages, self.state.layout.num_ranges, 0
         held_sets = max(map(len, pages.mapped[slot]))
-        least = RECLAIM_SETS if pages.unmap_spans and fence is None else 0
         while freed < want and held_sets > keep:
-            held_sets = max(keep, held_sets - max(least, -(-(want - freed) // ranges)))
+            held_sets = max(keep, held_sets - -(-(want - freed) // ranges))
             freed += pages.trim(slot, held_sets, fence=fence)
         return freed
 
