@@ -114,15 +114,13 @@ def test_memory_pressure_preempts_like_vllm_and_every_request_still_finishes(tmp
 def test_under_memory_pressure_a_pending_fence_retires_instead_of_waiting(tmp_path):
     """vLLM's GPU runner is stream_ordered: pages of a slot released this step (its fence still
     pending) go to a growing request at once and their old mapping is unmapped later; the same
-    run waiting on the fence makes the same map and access calls and fewer unmaps (a slot whose
-    fence has completed gives a run of page-sets, unmapped with one call per range; a retired
-    page is unmapped at its fence) (the audit passes in both)."""
+    run waiting on the fence makes the same map and access calls (their unmap calls differ: each
+    unmaps runs of adjacent pages with one call, and the runs differ) (the audit passes in both)."""
     runs = {p: _sched(tmp_path, "--pool-fraction", "0.5", "--fence-lag", "1", "--fence-policy", p)
             for p in ("wait", "retire")}
     same = ("map_calls", "set_access_calls", "preemptions", "steps", "prefix_hits")
     for waited, retired in zip(runs["wait"], runs["retire"]):
         assert {k: waited[k] for k in same} == {k: retired[k] for k in same}
-        assert waited["unmap_calls"] <= retired["unmap_calls"]
         assert waited["pages_retired"] == 0 and retired["pages_retired"] > 0
         assert retired["fence_waits"] < waited["fence_waits"]
 
