@@ -78,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pack-sets", type=argtypes.int_list, default=(8,),
                         help="with --pack-mb: page-sets per pack, a power of 2, or several (8,16,32: a hit "
                              "tiled largest first; VATTN_PACK_SETS; default 8)")
+    parser.add_argument("--defer-mapping", action="store_true",
+                        help="with the scheduler: queue each step's VMM calls per range and make them "
+                             "as the forward reaches each range, as vLLM's GPU runner does "
+                             "(VATTN_DEFER_MAPPING); the table then shows the host ms of those calls "
+                             "and of the first range's (still before the forward)")
     parser.add_argument("--warm-up", action="store_true",
                         help="with the scheduler: before the generations, one untimed request of the "
                              "first prompt for 2 tokens, as the engine stages warm up (a shared "
@@ -90,13 +95,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = False,
              blocks: int | None = None, driver=None, stream_ordered: bool = True,
-             stage: bool | None = None, pack_mb: int = 0, pack_sets: int | tuple[int, ...] = 8):
+             stage: bool | None = None, pack_mb: int = 0, pack_sets: int | tuple[int, ...] = 8,
+             defer: bool = False):
     """Llama-3-8B's page arithmetic (G=4: 128 tokens per 2 MiB page-set row) on CUDA; on the host
     backend the same 128 tokens per page with 1 KV head of 64 fp32 values and 256 KiB pages (16
     fp16 values and 32 KiB pages with prefix caching, whose workloads hold more tokens).
     ``blocks``: page-sets in the pool (default: every request's whole length, plus one);
     ``stage``: ``None`` no map-ahead worker, else the worker on (one block ahead, as vLLM's GPU
-    runner has it) with prefix staging on or off."""
+    runner has it) with prefix staging on or off; ``defer``: deferred mapping."""
     from vattn.adapters.vllm.gpu_runtime import GpuRuntime
     from vattn.core import KVCacheConfig
     cuda = torch.device(device).type == "cuda"
@@ -115,7 +121,8 @@ def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = Fa
                hint="lower --batch, --prompt or --new")
     names = [f"model.layers.{i}.self_attn.attn" for i in range(32)]
     return GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max(batch, 8192),
-                      prefix_caching=prefix_caching, driver=driver, stage_prefixes=bool(stage))
+                      prefix_caching=prefix_caching, driver=driver, stage_prefixes=bool(stage),
+                      defer_mapping=defer)
 
 
 def generation(rt, *, batch: int, prompt: int, new: int) -> dict:
@@ -201,10 +208,10 @@ def run_prefix(args) -> int:
         raise ConfigError(f"--pool-fraction must be in (0, 8], got {args.pool_fraction}")
     stage = None if args.stage_prefixes is None else args.stage_prefixes == "on"
     scheduled = (args.pool_fraction != 1 or args.fence_lag > 0 or args.max_batched_tokens is not None
-                 or stage is not None or args.pack_mb > 0 or args.warm_up)
+                 or stage is not None or args.pack_mb > 0 or args.warm_up or args.defer_mapping)
     if scheduled and args.workload == "multi-turn":
         raise ConfigError("--pool-fraction / --fence-lag / --max-batched-tokens / --stage-prefixes / --pack-mb / "
-                          "--warm-up run decode-heavy or shared-prefix, not multi-turn")
+                          "--warm-up / --defer-mapping run decode-heavy or shared-prefix, not multi-turn")
     turns = args.generations + 1
     longest = args.prompt + args.new + ((turns - 1) * (args.new + args.user) if args.workload == "multi-turn" else 0)
     fences = None
@@ -224,7 +231,7 @@ def run_prefix(args) -> int:
                           "--max-batched-tokens or --stage-prefixes")
     rt = _runtime(args.device, seqs, args.max_model_len or longest, prefix_caching=True,
                   blocks=blocks, driver=fences, stream_ordered=args.fence_policy == "retire", stage=stage,
-                  pack_mb=args.pack_mb, pack_sets=_sizes(args.pack_sets))
+                  pack_mb=args.pack_mb, pack_sets=_sizes(args.pack_sets), defer=args.defer_mapping)
     try:
         pool = PrefixBlockPool(blocks, rt.block_size)
         prompts = prompts_for(args.workload, batch=args.batch, prompt=args.prompt, shared=args.shared)
@@ -253,10 +260,11 @@ def run_prefix(args) -> int:
         counted += ("pages_aliased_on_path",)
         for r in runs:
             r["calls"]["pages_aliased_on_path"] = r["calls"]["pages_aliased"] - r["calls"]["page_sets_staged"] * ranges
-    rows = ["| generation | on_blocks ms | apply ms | release ms | " + " | ".join(counted) + " |",
-            "|---" * (4 + len(counted)) + "|"]
+    timed = ("on_blocks", "apply", "release") + (("issue", "first_range") if args.defer_mapping else ())
+    rows = ["| generation | " + " | ".join(f"{k} ms" for k in timed) + " | " + " | ".join(counted) + " |",
+            "|---" * (1 + len(timed) + len(counted)) + "|"]
     for n, r in enumerate(runs, start=1):
-        rows.append(f"| {n} | {r['on_blocks'] * 1e3:.1f} | {r['apply'] * 1e3:.1f} | {r['release'] * 1e3:.1f} | "
+        rows.append(f"| {n} | " + " | ".join(f"{r[k] * 1e3:.1f}" for k in timed) + " | "
                     + " | ".join(str(r["calls"][k]) for k in counted) + " |")
     md = (f"vattn's host work per generation with vLLM's prefix caching on ({args.workload}, {args.batch} "
           f"requests, {args.prompt} in" + (f" of which {args.shared} shared" if args.workload == "shared-prefix"
@@ -270,6 +278,8 @@ def run_prefix(args) -> int:
              if stage is not None else "")
           + (f"; {args.pack_mb} MiB for packs of {'/'.join(map(str, args.pack_sets))} page-sets of shared runs"
              if args.pack_mb else "")
+          + ("; each step's VMM calls deferred to its forward, made range by range (issue: their "
+             "host ms; first_range: the part before the first layer)" if args.defer_mapping else "")
           + ("; before the generations an untimed warm-up request of the first prompt (2 tokens), as "
              "the engine stages run one" if args.warm_up else "")
           + "; over the run the block pool handed out "
@@ -281,7 +291,8 @@ def run_prefix(args) -> int:
                                                                "shared", "generations", "pool_fraction",
                                                                "fence_lag", "fence_policy", "max_model_len",
                                                                "max_num_seqs", "max_batched_tokens",
-                                                               "stage_prefixes", "pack_mb", "pack_sets", "warm_up")},
+                                                               "stage_prefixes", "pack_mb", "pack_sets", "warm_up",
+                                                               "defer_mapping")},
                        "generations": runs}, f, indent=1)
     if not args.no_report:
         pressure = (f", pool {args.pool_fraction:g}, device lag {args.fence_lag}, {args.fence_policy}"
@@ -291,7 +302,8 @@ def run_prefix(args) -> int:
                     + (f", staging {args.stage_prefixes}" if stage is not None else "")
                     + (f", packs {args.pack_mb} MiB" if args.pack_mb else "")
                     + (f" of {'/'.join(map(str, args.pack_sets))} page-sets" if args.pack_mb and args.pack_sets != (8,) else "")
-                    + (", warm-up" if args.warm_up else "")) if scheduled else ""
+                    + (", warm-up" if args.warm_up else "")
+                    + (", deferred mapping" if args.defer_mapping else "")) if scheduled else ""
         write_section(f"host work with prefix caching, {args.workload}{pressure} ({args.device})", md, command_line(),
                       path=args.benchmarks)
     return 0

@@ -46,10 +46,13 @@ def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], ne
     step), if any; ``max_batched_tokens``: tokens computed per step at most (running requests'
     one each, then new prompts' uncached tokens; the first prompt of a step always fits);
     ``settle``: the map-ahead worker finishes its work before the next step (a device step long
-    enough to hide it). Every prompt arrives at once and waits for a slot and for blocks."""
+    enough to hide it). Every prompt arrives at once and waits for a slot and for blocks. With
+    ``rt.defer_mapping`` each step's forward is played as the backend plays it (``rt.ready`` per
+    layer): ``issue`` is the host time of the deferred calls, ``first_range`` its part before
+    the first layer (the part still on the step's path)."""
     before = rt.cache.metrics()
     waits0 = fences.waits if fences is not None else 0
-    spent = {"on_blocks": 0.0, "apply": 0.0, "release": 0.0}
+    spent = {"on_blocks": 0.0, "apply": 0.0, "release": 0.0, "issue": 0.0, "first_range": 0.0}
     bs = rt.block_size
     waiting = deque(_Req(i, list(p), len(p) + new) for i, p in enumerate(prompts))
     running: list[_Req] = []
@@ -114,6 +117,13 @@ def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], ne
         t2 = time.perf_counter()
         rt.apply()
         t3 = time.perf_counter()
+        if rt.defer_mapping:                  # the forward: each layer's range before its layer
+            rt.ready(0)
+            t4 = time.perf_counter()
+            for layer in range(1, rt.cache.config.num_layers):
+                rt.ready(layer)
+            spent["first_range"] += t4 - t3
+            spent["issue"] += time.perf_counter() - t3
         if settle:
             rt.cache.wait()
         spent["release"] += t1 - t0

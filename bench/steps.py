@@ -121,10 +121,11 @@ def summarize(rows: list[dict]) -> dict:
     host = sum(r["t1"] - r["t0"] for r in rows) * 1e3
     idle = sum(r["idle_us"] or 0.0 for r in rows) / 1e3
     calls = {k: sum(r["calls"].get(k, 0) for r in rows) for k in ("map_calls", "unmap_calls", "set_access_calls")}
-    worker = {k: sum(r["worker"].get(k, 0) for r in rows) for k in ("map_calls", "unmap_calls")}
+    worker = {k: sum(r["worker"].get(k, 0) for r in rows) for k in ("map_calls", "unmap_calls", "issued_us")}
     span = (rows[-1]["t1"] - rows[0]["t0"]) * 1e3 if rows else 0.0
     return {"steps": len(rows), "span_ms": round(span, 1), "host_ms": round(host, 1), "idle_ms": round(idle, 1),
-            "binds": sum(r.get("binds", 0) for r in rows), "calls": calls, "worker_calls": worker}
+            "binds": sum(r.get("binds", 0) for r in rows), "calls": calls, "worker_calls": worker,
+            "deferred": sum(r["calls"].get("calls_deferred", 0) for r in rows)}
 
 
 def _report(mode: str, trace: dict, walls, top: int) -> str:
@@ -135,7 +136,9 @@ def _report(mode: str, trace: dict, walls, top: int) -> str:
                      f"device idle behind it {s['idle_ms']:.1f} ms; {s['binds']} requests bound; in the "
                      f"sections map {s['calls']['map_calls']} / unmap {s['calls']['unmap_calls']} / access "
                      f"{s['calls']['set_access_calls']}; worker map {s['worker_calls']['map_calls']} / "
-                     f"unmap {s['worker_calls']['unmap_calls']}")
+                     f"unmap {s['worker_calls']['unmap_calls']}"
+                     + (f"; {s['deferred']} of the sections' calls deferred, made in the forward over "
+                        f"{s['worker_calls']['issued_us'] / 1e3:.1f} ms" if s["deferred"] else ""))
         if name == "before":
             continue
         worst = sorted(rows, key=lambda r: -(r["idle_us"] or 0.0))[:top]

@@ -13,6 +13,7 @@ space (views and page-set copies) and the map-ahead worker.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -23,8 +24,9 @@ from .admission import Admission
 from .binding import Binding, hits_waiting
 from .checks import batch_arrays, check_batch, check_bind, check_index, check_length, check_slot
 from .config import KVCacheConfig
+from .deferred import DeferredCalls
 from .driver import get_driver
-from .errors import ConfigError, SlotError
+from .errors import ConfigError, DriverError, SlotError
 from .growth import Growth
 from .keys import BlockKeys
 from .layout import KVLayout, cache_layout_row
@@ -88,16 +90,21 @@ class VirtualKVCache:
         cfg, lay = self.config, self.layout
         self._space.reserve(cfg.dtype)
         self._counters = Counters()
-        self._pages = SlotPages(cfg, lay, self.driver, self._pool, self._space.bases, self._counters)
+        # every part maps through this: a window (deferred()) queues the calls per range
+        self._calls = calls = DeferredCalls(self.driver, base=self._space.base, range_bytes=lay.range_bytes,
+                                            num_ranges=lay.num_ranges, counters=self._counters)
+        self._space.driver = calls
+        self._pages = SlotPages(cfg, lay, calls, self._pool, self._space.bases, self._counters)
         if cfg.pack_pages:
-            self._pages.packs = Packs(self.driver, self._pool, sizes=cfg.pack_sizes, budget_pages=cfg.pack_pages,
+            self._pages.packs = Packs(calls, self._pool, sizes=cfg.pack_sizes, budget_pages=cfg.pack_pages,
                                       num_ranges=lay.num_ranges, page_bytes=lay.page_bytes)
             self._pages.run_bytes = self._space.run_bytes
         self._keys = BlockKeys(self._pool, self._pages.bound)
         if self._pages.packs is not None:
             self._keys.on_bind = self._pages.packs.fresh.update
         self._cond = threading.Condition(threading.RLock())
-        self._state = state = CacheState(cfg, lay, self.driver, self._pool, self._pages, self._keys,
+        calls.on_empty = self._cond.notify_all    # the map-ahead worker may plan again
+        self._state = state = CacheState(cfg, lay, calls, self._pool, self._pages, self._keys,
                                          self._counters, self._cond)
         loose = LooseSets(state)
         self._admission = Admission(state)
@@ -186,7 +193,7 @@ class VirtualKVCache:
         """
         self._check_active(slot)
         with self._cond:
-            self._admission.release(slot, fence if fence is not None else self.driver.record_fence())
+            self._admission.release(slot, fence if fence is not None else self._calls.record_fence())
             self._binding.released(slot)
             if self._worker is not None:
                 self._worker.cancel(slot)
@@ -254,7 +261,7 @@ class VirtualKVCache:
     def _started_worker(self) -> MapAhead:
         """The map-ahead worker, started on first use (caller holds the lock)."""
         if self._worker is None:
-            self._worker = MapAhead(self._cond, driver=self.driver, slots=self._state.slots,
+            self._worker = MapAhead(self._cond, driver=self._calls, slots=self._state.slots,
                                     pages=self._pages, take=self._reclaim.take_unfenced,
                                     staging=self._staging)
         return self._worker
@@ -262,8 +269,53 @@ class VirtualKVCache:
     def wait(self) -> None:
         """Block until the map-ahead worker has nothing left to do."""
         with self._cond:
+            self._calls.issue()                     # the worker plans nothing while calls wait
             while self._worker is not None and not self._worker.idle():
                 self._cond.wait()
+
+    # -- deferred mapping: a step's VMM calls made as the forward reaches each range --------------
+    @contextlib.contextmanager
+    def deferred(self):
+        """Within the block, the calling thread's map, access and unmap calls on the cache's
+        ranges are queued per range instead of made; the record changes as if they were made.
+        :meth:`issue` makes them, range by range (an engine calls it before each layer's KV is
+        written or read); any other call that touches memory or the stream (a copy, a scrub, a
+        fence, :meth:`wait`, the next window) makes everything queued first. Nothing may read a
+        page through the views between the window and the :meth:`issue` that covers its layer.
+
+        See :mod:`vattn.core.deferred` (``DeferredCallError``: a queued call failed when made).
+        """
+        self._check_open()
+        with self._cond:
+            self._calls.open_window()
+        try:
+            yield self
+        finally:
+            self._calls.close_window()
+
+    def issue(self, layer: int | None = None) -> int:
+        """Make the queued calls of the ranges ``layer`` reads and of every range before them
+        (all of them with ``None``); returns the calls made. Cheap when nothing is queued.
+
+        Raises
+        ------
+        DeferredCallError
+            A queued call failed: the record no longer matches the mappings; every later call
+            raises too (the engine must be restarted).
+        """
+        if not self._calls.pending and self._calls.failed is None:
+            return 0
+        upto = None
+        if layer is not None:
+            place = self.layout.place(layer)
+            upto = max(place.k_range, place.v_range)
+        with self._cond:
+            return self._calls.issue(upto)
+
+    @property
+    def calls_queued(self) -> int:
+        """VMM calls a :meth:`deferred` window queued that are not made yet."""
+        return self._calls.pending
 
     # -- prefix sharing: page-sets named by the engine's block keys --------------------------------
     def bind(self, slot: int, start: int, keys, *, hits: int = 0) -> bool:
@@ -504,21 +556,33 @@ class VirtualKVCache:
         if self._worker is not None:
             self._worker.stop()
         with self._cond:
+            self._calls.close_window()
+            with contextlib.suppress(DriverError):  # what a window queued, before anything goes
+                self._calls.issue()
+            broken = self._calls.failed is not None   # a deferred call failed: the record is wrong
+            if broken:
+                self._calls.abandon()
+            tolerate = contextlib.suppress(DriverError) if broken else contextlib.nullcontext()
             for fence in self._state.slots.fence:
                 if fence is not None:
                     fence.wait()
             if self.driver.device.type == "cuda":
                 torch.cuda.synchronize(self.driver.device)
             for slot in list(self._pages.retired):
-                self._pages.retired.flush(slot, wait=True)
+                with tolerate:
+                    self._pages.retired.flush(slot, wait=True)
             self._space.drop_views()
             self._keys.clear()
             for slot in range(self.layout.num_va_slots):
-                self._pages.trim(slot, 0)
+                with tolerate:
+                    self._pages.trim(slot, 0)
             if self._pages.packs is not None:
-                self._pages.packs.close()
-            self._space.free()
-            self._pool.close()
+                with tolerate:
+                    self._pages.packs.close()
+            with tolerate:
+                self._space.free()
+            with tolerate:
+                self._pool.close()
             self._close_driver()
             self._closed = True
 

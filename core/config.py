@@ -11,7 +11,7 @@ from .errors import ConfigError
 
 __all__ = ["KVCacheConfig", "SCRUB_POLICIES", "MAX_AUTO_RANGES", "auto_group_size", "engine_group_size",
            "env_int", "DRIVER_RETRIES_ENV", "driver_retries", "STAGE_PREFIXES_ENV", "stage_prefixes", "env_flag",
-           "PACK_MB_ENV", "pack_mb"]
+           "PACK_MB_ENV", "pack_mb", "DEFER_MAPPING_ENV", "defer_mapping"]
 
 #: ``group_size=None`` picks the smallest group giving at most this many VA ranges, so a request
 #: wastes at most this many partly filled pages (16 MiB with 2 MiB pages). Measured on the H200
@@ -207,6 +207,17 @@ def pack_sets() -> int | tuple[int, ...]:
         raise ConfigError(f"{PACK_SETS_ENV} must be an integer >= 2 or a comma list of them "
                           f"(e.g. 8,16,32), got {raw!r}")
     return sizes
+
+
+#: ``1`` / ``0`` turns deferred mapping (:meth:`VirtualKVCache.deferred`) on / off in the engine
+#: adapters that can make the deferred calls layer by layer (vLLM's GPU runner)
+DEFER_MAPPING_ENV = "VATTN_DEFER_MAPPING"
+
+
+def defer_mapping(default: bool = True) -> bool:
+    """Whether an adapter defers a step's VMM calls to its forward: ``$VATTN_DEFER_MAPPING``
+    (``1`` / ``0``), unset: the adapter's ``default``."""
+    return env_flag(DEFER_MAPPING_ENV, default)
 
 
 def stage_prefixes(default: bool = True) -> bool:

@@ -71,6 +71,11 @@ class MapAhead:
     def idle(self) -> bool:
         return not self.jobs and not self.busy and not self._staged()
 
+    def _held(self) -> bool:
+        """Calls a deferral window queued wait to be made: plan nothing (a page-set planned now
+        could land where a queued unmap has not been made yet)."""
+        return bool(getattr(self.driver, "pending", 0))
+
     def _staged(self) -> bool:
         return self.staging is not None and bool(self.staging.jobs)
 
@@ -84,7 +89,7 @@ class MapAhead:
         self.driver.bind_thread()
         while True:
             with self.cond:
-                while not self.jobs and not self._staged() and not self.stopping:
+                while ((not self.jobs and not self._staged()) or self._held()) and not self.stopping:
                     self.cond.wait()
                 if self.stopping:
                     return

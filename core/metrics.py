@@ -70,9 +70,16 @@ class Counters:
     packs_built: int = 0              # shared runs copied into one allocation per range (.packs)
     pages_packed: int = 0             # of pages_aliased, those mapped through a pack (one call a run)
     pack_unpacks: int = 0             # pack runs unmapped for their own pages (a write or a trim inside)
+    calls_deferred: int = 0           # VMM calls a deferral window queued (.deferred), made later
     map_page_us: Histogram = field(default_factory=Histogram)
     unmap_page_us: Histogram = field(default_factory=Histogram)
     ensure_us: Histogram = field(default_factory=Histogram)
+    issue_us: Histogram = field(default_factory=Histogram)   # making queued calls, per issue()
+
+    @property
+    def issued_us(self) -> int:
+        """Host µs spent making deferred calls so far (``issue_us``'s total)."""
+        return int(self.issue_us.total_us)
 
     def as_dict(self) -> dict:
         out = {}

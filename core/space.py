@@ -55,7 +55,11 @@ class AddressSpace:
         return self.views[key]
 
     def copy_set(self, src: tuple[int, int], dst: tuple[int, int]) -> None:
-        """Copy page-set ``src`` to ``dst`` (``(slot, index)`` each), every range, in one launch."""
+        """Copy page-set ``src`` to ``dst`` (``(slot, index)`` each), every range, in one launch
+        (after the VMM calls a deferral window queued: the copy reads and writes through them)."""
+        issue = getattr(self.driver, "issue", None)
+        if issue is not None:
+            issue()
         lay, elems = self.layout, self.elems
         size = elems.element_size()
         page, stride = lay.page_bytes // size, lay.range_bytes // size

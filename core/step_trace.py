@@ -25,7 +25,7 @@ STEP_TRACE_ENV = "VATTN_STEP_TRACE"
 
 #: the cache counters a row carries at the start and the end of its section
 COUNTERS = ("map_calls", "set_access_calls", "unmap_calls", "pages_aliased", "pages_packed",
-            "pages_mapped_on_demand", "pages_mapped_ahead", "fence_waits")
+            "pages_mapped_on_demand", "pages_mapped_ahead", "fence_waits", "calls_deferred", "issued_us")
 
 
 class StepTrace:

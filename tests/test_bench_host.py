@@ -175,3 +175,21 @@ def test_packs_map_a_warm_prefix_in_fewer_calls_than_a_cold_one(tmp_path):
     # 15 of the 16 alias the prefix (the warm-up's slot, taken again, holds it in place)
     assert plain["pages_aliased"] == cold["pages_aliased"] == warm["pages_aliased"] == 15 * 16 * 8
     assert warm["map_calls"] < cold["map_calls"] < plain["map_calls"], (plain, cold, warm)
+
+
+def test_deferred_mapping_makes_the_same_calls_and_moves_them_into_the_forward(tmp_path):
+    """The packed warm burst with each step's VMM calls deferred to its forward (vLLM's GPU
+    runner's default): the same calls, every one made range by range as the played forward
+    reaches it, most of them after the first range (off the step's path before the forward);
+    the cache's audit at the end passes (run by the bench)."""
+    out = tmp_path / "packs.json"
+    plain = _packed_burst(tmp_path, "--pack-mb", "4", "--warm-up")
+    assert main(["bench", "host", "--device", "cpu", "--prefix-caching", "--workload", "shared-prefix",
+                 "--shared", "2048", "--batch", "16", "--prompt", "2304", "--new", "4", "--generations", "1",
+                 "--max-num-seqs", "64", "--max-batched-tokens", "4096", "--fence-lag", "1",
+                 "--stage-prefixes", "off", "--pack-mb", "4", "--warm-up", "--defer-mapping",
+                 "--json", str(out), "--no-report"]) == 0
+    gen = json.loads(out.read_text())["generations"][0]
+    counted = ("map_calls", "unmap_calls", "set_access_calls", "pages_aliased", "packs_built", "pages_packed")
+    assert {k: gen["calls"][k] for k in counted} == {k: plain[k] for k in counted}
+    assert gen["issue"] > 0 and 0 < gen["first_range"] < gen["issue"]

@@ -5,8 +5,8 @@ mode: the layer's KV is vattn's ``[2, max_slots + 1, rows_per_slot, H, D]`` stri
 block table holds one entry per request (its slot) and the page size is ``rows_per_slot``
 (see :mod:`.slot_tables`). Store and attention are vLLM's own kernels with vLLM's own arguments,
 only the cache tensors and the page size differ. Measured on the H200 (2026-12-04): outputs
-equal stock ``FLASH_ATTN``'s up to near-ties, not bit for bit (BENCHMARKS.md). Graph-safe:
-``forward`` and ``do_kv_cache_update`` launch kernels only.
+equal stock ``FLASH_ATTN``'s up to near-ties, not bit for bit (BENCHMARKS.md). Graph-safe (nothing
+is deferred while graphs are captured): ``forward`` and ``do_kv_cache_update`` launch kernels only.
 
 What differs from stock ``FLASH_ATTN``:
 
@@ -14,7 +14,8 @@ What differs from stock ``FLASH_ATTN``:
 * the metadata builder schedules FA3 with ``page_size = attn_rows`` (the slot region, or with
   ``VATTN_VLLM_EXACT=1`` its first ``rows_per_slot - 16`` rows, so FA3 takes stock's non-TMA
   path: see :data:`.gpu_layout.EXACT_ENV`) and never uses cascade;
-* ``forward`` / ``do_kv_cache_update`` split vattn's view (vLLM 0.26's FA layout packs K and V of
+* ``forward`` / ``do_kv_cache_update`` first make the VMM calls vattn deferred for the layer's
+  range (:meth:`~.gpu_runtime.GpuRuntime.ready`), then split vattn's view (vLLM 0.26's FA layout packs K and V of
   a head next to each other, vattn's keeps them ``H * D`` apart, so the stock split cannot be
   reused);
 * decoder self-attention only: sliding window, ALiBi, soft-cap, sinks, fp8 KV, encoder,
@@ -88,8 +89,16 @@ class VattnFlashImpl(FlashAttentionImpl):
             views = self._views = (kv_cache, (k, v), (k[:, :rows], v[:, :rows]))
         return views[2] if attend else views[1]
 
+    def _ready(self, layer) -> None:
+        """Make the VMM calls vattn deferred for this layer's range (its pages mapped before
+        its KV is written or read; cheap when none wait)."""
+        runtime = _runtime()
+        if runtime.cache.calls_queued:
+            runtime.ready(runtime.layer_of[layer.layer_name])
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         """Store ``key``/``value`` ``[N, H, D]`` at rows ``slot_mapping`` (``-1`` = skip)."""
+        self._ready(layer)
         key_cache, value_cache = self._split(kv_cache)
         fa_utils.reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping,
                                          self.kv_cache_dtype, layer._k_scale, layer._v_scale)
@@ -101,6 +110,7 @@ class VattnFlashImpl(FlashAttentionImpl):
             raise UnsupportedError("vattn: fused output quantization is not supported")
         if attn_metadata is None:          # vLLM's memory-profiling pass, as stock
             return output.fill_(0)
+        self._ready(layer)
         key_cache, value_cache = self._split(kv_cache, attend=True)
         md = attn_metadata
         n = md.num_actual_tokens

@@ -15,7 +15,10 @@ duration of ``initialize_kv_cache`` (so nothing outside that call sees them):
 * ``GPUModelRunner.shutdown``: close the runtime (waits for fences, unmaps, frees VA);
 * ``model_runner.copy_kv_cache_blocks_inplace`` (vLLM's copy-on-write of a prefix hit that ends
   inside a block, see :mod:`.fine_hits`): handed to :meth:`GpuRuntime.copy_blocks`, which copies
-  page-sets once the step's blocks are bound (vLLM's version would index vattn's views by block).
+  page-sets once the step's blocks are bound (vLLM's version would index vattn's views by block);
+* ``CudaGraphManager.run_fullgraph`` / ``ModelCudaGraphManager.run_fullgraph``: with deferred
+  mapping, a full CUDA graph replay (no layer runs the backend's Python) first makes every VMM
+  call the step deferred (:meth:`GpuRuntime.ready`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import logging
 
 import torch
 
-from vattn.core.config import pack_mb, pack_sets, stage_prefixes
+from vattn.core.config import defer_mapping, pack_mb, pack_sets, stage_prefixes
 from vattn.core.errors import ConfigError, UnsupportedError
 
 from . import gpu_layout
@@ -40,12 +43,14 @@ __all__ = ["install_gpu", "PATCHES", "bind_kv_views"]
 PATCHES = ["GPUModelRunner.initialize_kv_cache", "GPUModelRunner._remove_request",
            "GPUModelRunner.shutdown", "model_runner.BlockTables (during initialize_kv_cache)",
            "model_runner.init_kv_cache (during initialize_kv_cache)",
-           "model_runner.copy_kv_cache_blocks_inplace"]
+           "model_runner.copy_kv_cache_blocks_inplace", "cudagraph_utils.CudaGraphManager.run_fullgraph",
+           "cudagraph_utils.ModelCudaGraphManager.run_fullgraph"]
 _MARK = "_vattn_patched"
 
 
 def install_gpu() -> None:
     """Wrap the V2 runner's methods (idempotent). Raises if vLLM's layout is not the tested one."""
+    from vllm.v1.worker.gpu import cudagraph_utils as cg
     from vllm.v1.worker.gpu import model_runner as mr
     runner = mr.GPUModelRunner
     if getattr(runner, _MARK, False):
@@ -56,6 +61,11 @@ def install_gpu() -> None:
     for name in ("BlockTables", "init_kv_cache", "copy_kv_cache_blocks_inplace"):
         if not hasattr(mr, name):
             raise UnsupportedError(f"vattn: vllm.v1.worker.gpu.model_runner.{name} is missing")
+    for name in ("CudaGraphManager", "ModelCudaGraphManager"):
+        if "run_fullgraph" not in vars(getattr(cg, name, object)):
+            raise UnsupportedError(f"vattn: vllm.v1.worker.gpu.cudagraph_utils.{name}.run_fullgraph is missing")
+    cg.CudaGraphManager.run_fullgraph = _wrap_fullgraph(cg.CudaGraphManager.run_fullgraph)
+    cg.ModelCudaGraphManager.run_fullgraph = _wrap_fullgraph(vars(cg.ModelCudaGraphManager)["run_fullgraph"])
     runner.initialize_kv_cache = _wrap_init(runner.initialize_kv_cache, mr)
     mr.copy_kv_cache_blocks_inplace = _wrap_copies(mr.copy_kv_cache_blocks_inplace)
     runner._remove_request = _wrap_remove(runner._remove_request)
@@ -80,9 +90,12 @@ def _wrap_init(original, mr):
     def initialize_kv_cache(self, kv_cache_config):
         gpu_layout.check_engine_config(self.vllm_config)
         sharing = bool(getattr(self.vllm_config.cache_config, "enable_prefix_caching", False))
+        defer, why_not = gpu_layout.defer_mapping_for(self.vllm_config)
+        if not defer and defer_mapping(True):
+            logger.info("vattn: deferred mapping off: %s", why_not)
         runtime = start_runtime(kv_cache_config, device=self.device, max_num_reqs=self.max_num_reqs,
                                 max_model_len=self.max_model_len, max_num_tokens=self.max_num_tokens,
-                                prefix_caching=sharing)
+                                prefix_caching=sharing, defer=defer and defer_mapping(True))
         from .block_tables import VattnBlockTables
         tables = functools.partial(VattnBlockTables, runtime=runtime, seq_lens=self.input_buffers.seq_lens,
                                    num_computed=self.req_states.num_computed_tokens_np)
@@ -92,8 +105,9 @@ def _wrap_init(original, mr):
 
 
 def start_runtime(kv_cache_config, *, device, max_num_reqs: int, max_model_len: int,
-                  max_num_tokens: int, prefix_caching: bool = False):
-    """Create and install the process's :class:`GpuRuntime` for vLLM's ``KVCacheConfig``."""
+                  max_num_tokens: int, prefix_caching: bool = False, defer: bool = False):
+    """Create and install the process's :class:`GpuRuntime` for vLLM's ``KVCacheConfig``
+    (``defer``: :attr:`GpuRuntime.defer_mapping`)."""
     from .gpu_runtime import GpuRuntime
     group = kv_cache_config.kv_cache_groups[0] if kv_cache_config.kv_cache_groups else None
     if group is None:
@@ -116,11 +130,12 @@ def start_runtime(kv_cache_config, *, device, max_num_reqs: int, max_model_len: 
     runtime = GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max_num_tokens,
                          attn_margin=gpu_layout.EXACT_MARGIN if exact else 0, max_model_len=max_model_len,
                          prefix_caching=prefix_caching,
-                         stage_prefixes=prefix_caching and stage_prefixes(False))
+                         stage_prefixes=prefix_caching and stage_prefixes(False), defer_mapping=defer)
     rt.install(runtime)
-    logger.info("%s (vLLM blocks of %d tokens = page-sets; prefix caching %s)",
+    logger.info("%s (vLLM blocks of %d tokens = page-sets; prefix caching %s; a step's VMM calls %s)",
                 runtime.cache.summary(prewarm_s=runtime.prewarm_s), block,
-                "on: cached blocks are mapped into each request's region" if prefix_caching else "off")
+                "on: cached blocks are mapped into each request's region" if prefix_caching else "off",
+                "made layer group by layer group in the forward" if defer else "made before the forward")
     return runtime
 
 
@@ -147,6 +162,15 @@ def _wrap_copies(original):
             return original(kv_caches, num_blocks, kv_cache_block_copies)
         rt.current().copy_blocks(kv_cache_block_copies)
     return copy_kv_cache_blocks_inplace
+
+
+def _wrap_fullgraph(original):
+    @functools.wraps(original)
+    def run_fullgraph(self, *args, **kwargs):
+        if rt.installed():
+            rt.current().ready()              # no layer's Python runs inside the graph
+        return original(self, *args, **kwargs)
+    return run_fullgraph
 
 
 def _wrap_remove(original):

@@ -179,6 +179,27 @@ def check_engine_config(vllm_config) -> None:
     _kv_dtype(model, cache)
 
 
+#: the custom ops that write and read a layer's KV; deferred mapping needs them run eagerly
+#: (outside any CUDA graph), where the backend makes each layer's deferred calls first
+KV_OPS = ("vllm::unified_kv_cache_update", "vllm::unified_attention_with_output")
+
+
+def defer_mapping_for(vllm_config) -> tuple[bool, str]:
+    """Whether the engine runs every layer's KV store and attention outside CUDA graphs except in
+    full-graph replays (which the hooks precede with every deferred call): ``(ok, why not)``."""
+    comp = getattr(vllm_config, "compilation_config", None)
+    if comp is None:
+        return False, "the engine's config has no compilation_config"
+    mode = getattr(getattr(comp, "cudagraph_mode", None), "name", "NONE")
+    if mode in ("NONE", "FULL", "FULL_DECODE_ONLY") or getattr(vllm_config.model_config, "enforce_eager", False):
+        return True, ""                 # no piecewise graph: eager or a full replay
+    split = set(getattr(comp, "splitting_ops", None) or ())
+    missing = [op for op in KV_OPS if op not in split]
+    if missing:
+        return False, f"piecewise CUDA graphs capture {', '.join(missing)} (not in splitting_ops)"
+    return True, ""
+
+
 def check_kv_cache_config(kv_cache_config, *, block_size: int, page_set_bytes: int) -> None:
     """One full-attention KV group whose block is exactly one vattn page-set.
 

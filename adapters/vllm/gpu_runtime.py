@@ -16,6 +16,7 @@ Everything here is host-side and may synchronize; none of it runs inside a CUDA 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -65,12 +66,18 @@ class GpuRuntime:
         hit it in the step (:meth:`VirtualKVCache.stage_prefix`, on the map-ahead worker while
         the device computes), so the next requests with it find it in place instead of mapping
         it on the step's critical path (a burst sharing a system prompt). Only with map-ahead on.
+    defer_mapping : bool
+        :meth:`apply`'s VMM calls are queued per range (:meth:`VirtualKVCache.deferred`) and
+        made by :meth:`ready` as the forward reaches each range's first layer, so the device
+        computes the layers before it while the host maps (only range 0 stays on the step's
+        path). The engine must call :meth:`ready` before every layer's KV is written or read
+        and :meth:`ready` with no layer before a forward that does not (a full CUDA graph).
     """
 
     def __init__(self, config: KVCacheConfig, *, block_size: int, layer_names: list[str],
                  max_num_tokens: int, attn_margin: int = 0, max_model_len: int | None = None,
                  prefix_caching: bool = False, stage_prefixes: bool = False, driver=None,
-                 retries: int | None = None):
+                 retries: int | None = None, defer_mapping: bool = False):
         start = time.perf_counter()
         if len(layer_names) != config.num_layers:
             raise ConfigError(f"{len(layer_names)} layer names for a cache of {config.num_layers} layers")
@@ -92,6 +99,7 @@ class GpuRuntime:
             raise ConfigError(f"attn_margin {attn_margin} leaves {self.attn_rows} of {lay.rows_per_slot} "
                               f"rows per slot; requests need up to {longest}")
         self.layer_of = {name: i for i, name in enumerate(layer_names)}
+        self.defer_mapping = defer_mapping
         self.tables = SlotTables(max_num_reqs=config.max_slots, max_num_tokens=max_num_tokens,
                                  rows_per_slot=lay.rows_per_slot, padding_slot=self.cache.padding_slot,
                                  device=config.torch_device)
@@ -175,6 +183,16 @@ class GpuRuntime:
             self.trace.begin()
             traced = {"binds": len(self._binds), "copies": len(self._copies), "steps": len(self._pending),
                       "busy": self.device_wait.busy()}
+        with self.cache.deferred() if self.defer_mapping else contextlib.nullcontext():
+            self._apply()
+        self.device_wait.end()
+        if self.trace is not None:
+            self.trace.end(**traced)
+        self.step_us.observe((time.perf_counter() - start) * 1e6)
+        if self.snapshots is not None:
+            self.snapshots.step()
+
+    def _apply(self) -> None:
         stage: list[tuple[list, int]] = []     # (prefix blocks, idle copies wanted)
         if self._binds:
             # new requests come before running ones here (vLLM adds them first), but a new one
@@ -207,12 +225,12 @@ class GpuRuntime:
         self.tables.upload()
         for keys, copies in stage:                    # queued for the map-ahead worker
             self.cache.stage_prefix(keys, copies)
-        self.device_wait.end()
-        if self.trace is not None:
-            self.trace.end(**traced)
-        self.step_us.observe((time.perf_counter() - start) * 1e6)
-        if self.snapshots is not None:
-            self.snapshots.step()
+
+    def ready(self, layer: int | None = None) -> None:
+        """Make the VMM calls :meth:`apply` deferred for the ranges ``layer`` reads (and those
+        before them; every range with ``None``). Cheap when none wait."""
+        if self.cache.calls_queued:
+            self.cache.issue(layer)             # a failure is final: no retry
 
     def release(self, index: int) -> None:
         """Request ``index`` left (finished, aborted or preempted): release its slot, fenced."""

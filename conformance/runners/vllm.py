@@ -16,7 +16,9 @@ that run, the stock modes leave it unset so they are untouched stock vLLM. Modes
 ``stock vattn vattn:g2 ceiling``; ``vattn:s1`` / ``vattn:s0`` runs it with prefix staging on /
 off (``VATTN_STAGE_PREFIXES``; the GPU runner's default: off); ``vattn:p1024`` with 1,024 MiB
 for packs of shared runs, ``vattn:p0`` without packs (``VATTN_PACK_MB``; the GPU runner's
-default: 1,024 with prefix caching on; variants combine: ``vattn:g2:p0``).
+default: 1,024 with prefix caching on); ``vattn:d0`` / ``vattn:d1`` with a step's VMM calls made
+before the forward / deferred into it (``VATTN_DEFER_MAPPING``; the GPU runner's default: on
+where the engine's graphs allow it). Variants combine: ``vattn:g2:p0``.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ class VllmRunner:
             raise ConfigError(f"vllm modes must be a non-empty subset of {offered} on {device} "
                               f"(a mode again in a fresh engine as MODE@N, e.g. stock@2; vattn with G layers per "
                               f"VA range as vattn:gG, with prefix staging on / off as vattn:s1 / vattn:s0, with N "
-                              f"MiB of packs as vattn:pN), got {modes}")
+                              f"MiB of packs as vattn:pN, deferred mapping on / off as vattn:d1 / vattn:d0), "
+                              f"got {modes}")
         self.modes = tuple(modes) if modes is not None else offered
         self.log_dir, self.tag = log_dir, tag
         self.max_num_seqs = max_num_seqs
@@ -122,6 +125,7 @@ class VllmRunner:
         env.pop("VATTN_VLLM_EXACT", None)
         env.pop("VATTN_STAGE_PREFIXES", None)
         env.pop("VATTN_PACK_MB", None)
+        env.pop("VATTN_DEFER_MAPPING", None)
         run = spec.get("run_name", spec["mode"])
         if env.get("VATTN_STEP_TRACE"):
             env["VATTN_RUN_NAME"] = run              # names the engine's step trace
@@ -132,6 +136,8 @@ class VllmRunner:
             env["VATTN_STAGE_PREFIXES"] = _staging(run)
         if _pack_mb(run) is not None:
             env["VATTN_PACK_MB"] = str(_pack_mb(run))
+        if _switch(run, "d") is not None:
+            env["VATTN_DEFER_MAPPING"] = _switch(run, "d")
         if spec["mode"] in ("vattn", "vattn-exact"):
             env["VATTN_VLLM"] = "1"
             env["VATTN_VLLM_EXACT"] = "1" if spec["mode"] == "vattn-exact" else "0"
@@ -150,7 +156,8 @@ def _base(mode: str) -> str:
     """``stock@2`` -> ``stock``: the same mode once more, in a fresh engine (run-to-run check);
     ``vattn:g2`` (or ``vattn:g2@2``) -> ``vattn``: the vattn mode with another layer group size;
     ``vattn:s0`` / ``vattn:s1`` -> ``vattn`` with prefix staging off / on; ``vattn:p1024`` ->
-    ``vattn`` with 1,024 MiB for packs (variants combine: ``vattn:g2:s0``)."""
+    ``vattn`` with 1,024 MiB for packs; ``vattn:d0`` / ``vattn:d1`` -> ``vattn`` with deferred
+    mapping off / on (variants combine: ``vattn:g2:s0``)."""
     base, _, again = mode.partition("@")
     if again and not again.isdigit():
         return mode
@@ -162,7 +169,7 @@ def _base(mode: str) -> str:
     return base
 
 
-_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+")
+_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+|d[01]")
 
 
 def _variants(mode: str) -> list[str]:
@@ -183,7 +190,13 @@ def _pack_mb(mode: str) -> int | None:
 def _staging(mode: str) -> str | None:
     """``"0"`` / ``"1"`` for a ``vattn:s0`` / ``vattn:s1`` variant (prefix staging off / on in its
     engine), ``None`` for any other mode (the engine's default)."""
-    return next((v[1:] for v in _variants(mode) if v.startswith("s")), None)
+    return _switch(mode, "s")
+
+
+def _switch(mode: str, letter: str) -> str | None:
+    """``"0"`` / ``"1"`` for a ``vattn:<letter>0`` / ``vattn:<letter>1`` variant, ``None`` for any
+    other mode (the engine's default)."""
+    return next((v[1:] for v in _variants(mode) if v.startswith(letter)), None)
 
 
 def _round_up(n: int, step: int) -> int:

@@ -1,0 +1,181 @@
+"""Deferred mapping: an engine step's VMM calls queued per range, made as the forward reaches
+the layers that read each range.
+
+Admitting a burst of requests costs one map and one access grant per physical allocation
+(~30 µs each on an H100), made on the host before the step's forward is launched, while the
+device waits. Every page of a range belongs to one group of layers, and a layer's attention
+reads only its own range. So the calls for range ``r`` can wait until the forward reaches the
+first layer of range ``r``: by then the kernels of the layers before it are queued, and the
+device computes them while the host maps. Only range 0 stays on the step's critical path.
+
+:class:`DeferredCalls` wraps the cache's driver. Inside a window (:meth:`~DeferredCalls.open_window`
+.. ``close_window``), the ``map`` / ``set_access`` / ``unmap`` / ``zero`` calls the window's
+thread makes on the cache's ranges are queued in order, one queue per range, and the cache's
+record is updated as if they were made; :meth:`issue` makes the queued calls of ranges
+``0 .. r`` in order. Any other call that touches memory or the stream (``record_fence``, a map
+outside the ranges, ``create`` ...) first makes everything queued, and so does the cache before
+a copy through its views, so nothing the host or the device does can see a page the record
+says is mapped before it is. Only the map-ahead worker's thread (it called ``bind_thread``; it
+plans nothing while calls are queued) goes straight through.
+
+A queued call that fails cannot be undone in the record: :meth:`issue` raises
+:class:`DeferredCallError` and the wrapper refuses every later call, so the engine stops
+before a kernel reads an address the record got wrong.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from .errors import DriverError
+from .metrics import Counters
+
+__all__ = ["DeferredCalls", "DeferredCallError", "DEFERRABLE"]
+
+#: the calls a window queues (when they address one of the cache's ranges)
+DEFERRABLE = ("map", "set_access", "unmap", "zero")
+#: calls that touch memory, handles or the stream: whatever is queued is made before them
+_ORDERED = frozenset(("map", "set_access", "unmap", "zero", "record_fence", "create", "release",
+                      "reserve", "free_va"))
+
+
+class DeferredCallError(DriverError):
+    """A deferred VMM call failed when it was made: the cache's record no longer matches the
+    device's mappings, so the cache refuses every later call."""
+
+
+class DeferredCalls:
+    """A driver whose calls on ``[base, base + num_ranges * range_bytes)`` may be deferred.
+
+    Parameters
+    ----------
+    driver : Driver
+        The real backend (or a fault injector around it).
+    base, range_bytes, num_ranges : int
+        The cache's ranges: range ``r`` is ``[base + r * range_bytes, base + (r + 1) * range_bytes)``.
+    counters : Counters, optional
+        ``calls_deferred`` and ``issue_us`` (host time of each :meth:`issue` that made calls).
+
+    ``on_empty``, if set, is called (under the cache's lock) whenever :meth:`issue` has made the
+    last queued call: the cache wakes its map-ahead worker there.
+    """
+
+    def __init__(self, driver, *, base: int, range_bytes: int, num_ranges: int,
+                 counters: Counters | None = None):
+        self.inner = driver
+        self.base, self.range_bytes, self.num_ranges = base, range_bytes, num_ranges
+        self.counters = counters if counters is not None else Counters()
+        self.queues: list[deque[tuple[str, tuple]]] = [deque() for _ in range(num_ranges)]
+        self.pending = 0                  # calls queued, not made yet
+        self.failed: DriverError | None = None
+        self._owner: int | None = None    # the thread whose calls are queued, while a window is open
+        self._bypass: set[int] = set()    # threads that called bind_thread (the map-ahead worker)
+        self.on_empty = None
+
+    # -- the window ------------------------------------------------------------------------------
+    def open_window(self) -> None:
+        """From now on queue the calling thread's deferrable calls until :meth:`issue` (what an
+        earlier window queued is made first). The caller holds the cache's lock."""
+        if self._owner is not None:
+            raise RuntimeError("a deferral window is open already")
+        self.issue()
+        self._owner = threading.get_ident()
+
+    def close_window(self) -> None:
+        """End the window (what it queued stays queued until :meth:`issue`)."""
+        self._owner = None
+
+    def issue(self, upto: int | None = None) -> int:
+        """Make the queued calls of ranges ``0 .. upto`` (all with ``None``), in order; returns
+        the calls made. Raises :class:`DeferredCallError` if one fails (and from then on).
+        The caller holds the cache's lock."""
+        self._check()
+        if not self.pending:
+            return 0
+        last = self.num_ranges - 1 if upto is None else min(upto, self.num_ranges - 1)
+        start, made = time.perf_counter(), 0
+        for queue in self.queues[:last + 1]:
+            while queue:
+                name, args = queue.popleft()
+                self.pending -= 1
+                made += 1
+                try:
+                    getattr(self.inner, name)(*args)
+                except DriverError as exc:
+                    self.failed = exc
+                    raise DeferredCallError(name, _args(name, args), exc.code,
+                                            f"a deferred call failed, so the cache's record no "
+                                            f"longer matches the device's mappings ({exc}); the "
+                                            f"engine must be restarted") from exc
+        if made:
+            self.counters.issue_us.observe((time.perf_counter() - start) * 1e6)
+        if not self.pending and self.on_empty is not None:
+            self.on_empty()
+        return made
+
+    def abandon(self) -> None:
+        """Drop what is queued and forget a failure: teardown of a cache whose record is wrong
+        (best effort from here on)."""
+        for queue in self.queues:
+            queue.clear()
+        self.pending, self.failed, self._owner = 0, None, None
+
+    # -- the driver ------------------------------------------------------------------------------
+    def map(self, va: int, size: int, handle) -> None:
+        self._call("map", va, size, handle)
+
+    def set_access(self, va: int, size: int) -> None:
+        self._call("set_access", va, size)
+
+    def unmap(self, va: int, size: int) -> None:
+        self._call("unmap", va, size)
+
+    def zero(self, va: int, nbytes: int) -> None:
+        """Queued like a map (a scrub: ordered on the stream before the layer that reads it)."""
+        self._call("zero", va, nbytes)
+
+    def bind_thread(self) -> None:
+        """The calling thread's calls go straight to the driver from now on (the map-ahead
+        worker's: it maps without the cache's lock and plans nothing while calls are queued)."""
+        self._bypass.add(threading.get_ident())
+        self.inner.bind_thread()
+
+    def _call(self, name: str, va: int, *rest) -> None:
+        if self.failed is not None:
+            self._check()
+        me = threading.get_ident()
+        if me == self._owner:
+            rng = (va - self.base) // self.range_bytes
+            if va >= self.base and rng < self.num_ranges:
+                self.queues[rng].append((name, (va, *rest)))
+                self.pending += 1
+                self.counters.calls_deferred += 1
+                return
+        if self.pending and me not in self._bypass:
+            self.issue()
+        getattr(self.inner, name)(va, *rest)
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.inner, name)
+        if name not in _ORDERED or not callable(attr):
+            return attr
+
+        def ordered(*args, **kwargs):
+            if self.failed is not None:
+                self._check()
+            if self.pending and threading.get_ident() not in self._bypass:
+                self.issue()
+            return attr(*args, **kwargs)
+        return ordered
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise DeferredCallError("deferred", {}, self.failed.code,
+                                    f"an earlier deferred call failed ({self.failed}); the cache's "
+                                    f"record no longer matches the device's mappings")
+
+
+def _args(name: str, args: tuple) -> dict:
+    return dict(zip(("va", "size", "handle") if name == "map" else ("va", "size"), args))
