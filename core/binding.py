@@ -168,6 +168,7 @@ class Binding:
             return None
         new = list(cur)
         for rng, pid in zip(replace, pids):
+            st.pages.reuse(pid, rng)
             new[rng] = pid
         st.settle(slot)
         st.wait_fence(slot)
@@ -195,7 +196,7 @@ class Binding:
             if at is None:
                 return False
         self._unpack_for_write(*to)
-        self.space.copy_set(at, to)
+        self.space.copy_set(at, to, (st.pages.at(*at), st.pages.at(*to)))
         st.copied(at, to)
         st.counters.blocks_copied += 1
         return True
@@ -316,7 +317,7 @@ class Binding:
         if dst is None:
             return False
         self._unpack_for_write(*dst)
-        self.space.copy_set((slot, index), dst)
+        self.space.copy_set((slot, index), dst, (cur, st.pages.at(*dst)))
         st.copied((slot, index), dst)
         tags = st.pool.tenant
         for src_page, dst_page in zip(cur, st.pages.at(*dst)):

@@ -13,9 +13,10 @@ device computes them while the host maps. Only range 0 stays on the step's criti
 thread makes on the cache's ranges are queued in order, one queue per range, and the cache's
 record is updated as if they were made; :meth:`issue` makes the queued calls of ranges
 ``0 .. r`` in order. Any other call that touches memory or the stream (``record_fence``, a map
-outside the ranges, ``create`` ...) first makes everything queued, and so does the cache before
-a copy through its views, so nothing the host or the device does can see a page the record
-says is mapped before it is. Only the map-ahead worker's thread (it called ``bind_thread``; it
+outside the ranges, a fence outside the window ...) first makes everything queued; the cache's
+copies through its views and a fence inside the window are queued too (:meth:`later`,
+:class:`LaterFence`), so nothing the host or the device does can see a page the record says is
+mapped before it is, and no fence completes before the copies it covers ran. Only the map-ahead worker's thread (it called ``bind_thread``; it
 plans nothing while calls are queued) goes straight through.
 
 A queued call that fails cannot be undone in the record: :meth:`issue` raises
@@ -32,13 +33,13 @@ from collections import deque
 from .errors import DriverError
 from .metrics import Counters
 
-__all__ = ["DeferredCalls", "DeferredCallError", "DEFERRABLE"]
+__all__ = ["DeferredCalls", "DeferredCallError", "LaterFence", "DEFERRABLE"]
 
 #: the calls a window queues (when they address one of the cache's ranges)
 DEFERRABLE = ("map", "set_access", "unmap", "zero")
-#: calls that touch memory, handles or the stream: whatever is queued is made before them
-_ORDERED = frozenset(("map", "set_access", "unmap", "zero", "record_fence", "create", "release",
-                      "reserve", "free_va"))
+#: calls that touch mapped memory, handles in use or the stream: whatever is queued is made
+#: before them (``create`` and ``reserve`` make something new nothing queued can name)
+_ORDERED = frozenset(("map", "set_access", "unmap", "zero", "release", "free_va"))
 
 
 class DeferredCallError(DriverError):
@@ -69,10 +70,13 @@ class DeferredCalls:
         self.counters = counters if counters is not None else Counters()
         self.queues: list[deque[tuple[str, tuple]]] = [deque() for _ in range(num_ranges)]
         self.pending = 0                  # calls queued, not made yet
-        self.failed: DriverError | None = None
+        self.failed: Exception | None = None
+        self.failed_code = None
         self._owner: int | None = None    # the thread whose calls are queued, while a window is open
         self._bypass: set[int] = set()    # threads that called bind_thread (the map-ahead worker)
         self.on_empty = None
+        self._issuing = False             # inside issue(): the calls a job makes go straight through
+        self.touched: dict[int, int] = {}  # pool page -> the last range whose queued work uses it
 
     # -- the window ------------------------------------------------------------------------------
     def open_window(self) -> None:
@@ -96,24 +100,67 @@ class DeferredCalls:
             return 0
         last = self.num_ranges - 1 if upto is None else min(upto, self.num_ranges - 1)
         start, made = time.perf_counter(), 0
-        for queue in self.queues[:last + 1]:
-            while queue:
-                name, args = queue.popleft()
-                self.pending -= 1
-                made += 1
-                try:
-                    getattr(self.inner, name)(*args)
-                except DriverError as exc:
-                    self.failed = exc
-                    raise DeferredCallError(name, _args(name, args), exc.code,
-                                            f"a deferred call failed, so the cache's record no "
-                                            f"longer matches the device's mappings ({exc}); the "
-                                            f"engine must be restarted") from exc
+        self._issuing = True
+        try:
+            for queue in self.queues[:last + 1]:
+                while queue:
+                    name, args = queue.popleft()
+                    self.pending -= 1
+                    made += 1
+                    try:
+                        if name == "job":
+                            args[0]()
+                        else:
+                            getattr(self.inner, name)(*args)
+                    except Exception as exc:
+                        self.failed = exc
+                        code = self.failed_code = exc.code if isinstance(exc, DriverError) else type(exc).__name__
+                        raise DeferredCallError(name, _args(name, args), code,
+                                                f"a deferred call failed, so the cache's record no "
+                                                f"longer matches the device's mappings ({exc}); the "
+                                                f"engine must be restarted") from exc
+        finally:
+            self._issuing = False
+        if self.touched:
+            self.touched = {pid: r for pid, r in self.touched.items() if r > last and self.pending}
         if made:
             self.counters.issue_us.observe((time.perf_counter() - start) * 1e6)
         if not self.pending and self.on_empty is not None:
             self.on_empty()
         return made
+
+    def deferring(self) -> bool:
+        """Whether calls wait in the queue and the calling thread's would join them."""
+        return bool(self.pending) and threading.get_ident() == self._owner
+
+    def later(self, rng: int, job) -> None:
+        """Run ``job()`` (host work that reads or writes range ``rng`` through the device, e.g. a
+        copy on the stream) where the calls queued for ``rng`` so far are made: queued behind
+        them inside the window, else now, after everything queued. Driver calls the job makes go
+        straight to the driver."""
+        if threading.get_ident() == self._owner:
+            self.queues[rng].append(("job", (job,)))
+            self.pending += 1
+            return
+        if self.pending and threading.get_ident() not in self._bypass:
+            self.issue()
+        job()
+
+    def touch(self, pids, rng: int) -> None:
+        """Queued device work in range ``rng`` (a copy, a scrub) reads or writes pool pages
+        ``pids``: see :meth:`reuse`."""
+        for pid in pids:
+            if self.touched.get(pid, -1) < rng:
+                self.touched[pid] = rng
+
+    def reuse(self, pid: int, rng: int) -> None:
+        """Pool page ``pid`` is about to serve range ``rng``. A page moves between ranges only
+        through the pool; if work queued in a later range still reads or writes it (queued
+        before the page was freed), that work is made now: issued range by range, the new use
+        would otherwise reach the device first."""
+        last = self.touched.get(pid)
+        if last is not None and last > rng:
+            self.issue(last)
 
     def abandon(self) -> None:
         """Drop what is queued and forget a failure: teardown of a cache whose record is wrong
@@ -121,6 +168,7 @@ class DeferredCalls:
         for queue in self.queues:
             queue.clear()
         self.pending, self.failed, self._owner = 0, None, None
+        self.touched.clear()
 
     # -- the driver ------------------------------------------------------------------------------
     def map(self, va: int, size: int, handle) -> None:
@@ -135,6 +183,18 @@ class DeferredCalls:
     def zero(self, va: int, nbytes: int) -> None:
         """Queued like a map (a scrub: ordered on the stream before the layer that reads it)."""
         self._call("zero", va, nbytes)
+
+    def record_fence(self):
+        """A fence after the work issued so far. Inside the window: one recorded where the
+        queue reaches it (after the copies queued before it), a :class:`LaterFence`."""
+        if threading.get_ident() == self._owner and self.pending and not self._issuing:
+            fence = LaterFence(self)
+            self.queues[-1].append(("job", (fence.record,)))
+            self.pending += 1
+            return fence
+        if self.pending and not self._issuing and threading.get_ident() not in self._bypass:
+            self.issue()
+        return self.inner.record_fence()
 
     def bind_thread(self) -> None:
         """The calling thread's calls go straight to the driver from now on (the map-ahead
@@ -153,7 +213,7 @@ class DeferredCalls:
                 self.pending += 1
                 self.counters.calls_deferred += 1
                 return
-        if self.pending and me not in self._bypass:
+        if self.pending and not self._issuing and me not in self._bypass:
             self.issue()
         getattr(self.inner, name)(va, *rest)
 
@@ -165,17 +225,41 @@ class DeferredCalls:
         def ordered(*args, **kwargs):
             if self.failed is not None:
                 self._check()
-            if self.pending and threading.get_ident() not in self._bypass:
+            if self.pending and not self._issuing and threading.get_ident() not in self._bypass:
                 self.issue()
             return attr(*args, **kwargs)
         return ordered
 
     def _check(self) -> None:
         if self.failed is not None:
-            raise DeferredCallError("deferred", {}, self.failed.code,
+            raise DeferredCallError("deferred", {}, self.failed_code,
                                     f"an earlier deferred call failed ({self.failed}); the cache's "
                                     f"record no longer matches the device's mappings")
 
 
+class LaterFence:
+    """A fence recorded when the deferred queue reaches it: not done before; :meth:`wait` makes
+    the queue first (under the cache's lock, as every fence wait in the cache is)."""
+
+    __slots__ = ("calls", "fence")
+
+    def __init__(self, calls: DeferredCalls):
+        self.calls, self.fence = calls, None
+
+    def record(self) -> None:
+        self.fence = self.calls.inner.record_fence()
+
+    def done(self) -> bool:
+        return self.fence is not None and self.fence.done()
+
+    def wait(self) -> None:
+        if self.fence is None:
+            self.calls.issue()
+        if self.fence is not None:                # (None: its queue was dropped, see abandon)
+            self.fence.wait()
+
+
 def _args(name: str, args: tuple) -> dict:
+    if name == "job":
+        return {"job": getattr(args[0], "func", args[0])}
     return dict(zip(("va", "size", "handle") if name == "map" else ("va", "size"), args))

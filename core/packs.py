@@ -22,6 +22,7 @@ serialises it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -220,17 +221,29 @@ class Packs:
         area["pack"] = pack
         base = index * self.num_ranges * room
         area["fence"] = None
+        # each range's copy runs where that range's queued VMM calls are made (a deferral window:
+        # as the forward reaches the range; else now)
+        run = getattr(self.driver, "later", None) or (lambda rng, job: job())
+        queued = getattr(self.driver, "deferring", lambda: False)()
         try:
             for rng, handle in enumerate(pack.handles):
-                at = base + rng * room
-                self.driver.map(self._scratch + at, nbytes, handle)
-                area["mapped"].append((self._scratch + at, nbytes))
-                self.driver.set_access(self._scratch + at, nbytes)
-                self._view[at:at + nbytes].copy_(source(rng))
+                if queued:                      # the copy reads the run's pool pages
+                    self.driver.touch(pack.pids[rng], rng)
+                run(rng, functools.partial(self._fill_range, area, base + rng * room, nbytes, handle,
+                                           source, rng))
         finally:                                # one fence after the copies queued (all, or some)
-            if area["mapped"]:
-                area["fence"] = self.driver.record_fence()
+            run(self.num_ranges - 1, functools.partial(self._fence, area))
         pack.ready = True
+
+    def _fill_range(self, area: dict, at: int, nbytes: int, handle, source, rng: int) -> None:
+        self.driver.map(self._scratch + at, nbytes, handle)
+        area["mapped"].append((self._scratch + at, nbytes))
+        self.driver.set_access(self._scratch + at, nbytes)
+        self._view[at:at + nbytes].copy_(source(rng))
+
+    def _fence(self, area: dict) -> None:
+        if area["mapped"]:
+            area["fence"] = self.driver.record_fence()
 
     def discard(self, pack: Pack) -> None:
         """Forget a pack nothing maps (a failed fill)."""
@@ -244,9 +257,13 @@ class Packs:
                 for i in range(nbytes // self.page_bytes)}
 
     def _clear_area(self, area: dict) -> None:
-        """Unmap an area's scratch mappings once its copy completed (waiting for it if needed)."""
-        if not area["mapped"]:
+        """Unmap an area's scratch mappings once its copy completed (waiting for it if needed;
+        a copy still queued in a deferral window is made first)."""
+        if area["pack"] is None and not area["mapped"]:
             return
+        issue = getattr(self.driver, "issue", None)
+        if issue is not None:
+            issue()
         if area["fence"] is not None and not area["fence"].done():
             area["fence"].wait()
         while area["mapped"]:

@@ -144,6 +144,7 @@ class SlotPages(PackRuns):
         pages = self.mapped[slot][rng]
         while len(pages) < num_sets:
             (pid,) = self.pool.take(1)
+            self.reuse(pid, rng)
             try:
                 self.counters.map_calls += 1
                 self._map(rng, slot, len(pages), pid)
@@ -361,6 +362,12 @@ class SlotPages(PackRuns):
             self.num_accessible[slot][rng] = len(pages)
         return first
 
+    def reuse(self, pid: int, rng: int) -> None:
+        """Pool page ``pid`` is about to serve range ``rng`` (see :meth:`DeferredCalls.reuse`)."""
+        reuse = getattr(self.driver, "reuse", None)
+        if reuse is not None:
+            reuse(pid, rng)
+
     def call(self, name: str, *args) -> None:
         """One driver call; a failure is counted and re-raised (the caller's record stays exact)."""
         try:
@@ -386,6 +393,9 @@ class SlotPages(PackRuns):
                 if span is not None:            # zero the page, not the pack other slots map
                     self._unpack(slot, rng, span, i, i)
                     self._restore_access(slot, rng)
+                self.reuse(pid, rng)
+                if getattr(self.driver, "deferring", lambda: False)():
+                    self.driver.touch((pid,), rng)
                 self.driver.zero(self.va(rng, slot, i), self.layout.page_bytes)
                 self.counters.pages_scrubbed += 1
             self.pool.tenant[pid] = tenant

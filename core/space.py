@@ -54,12 +54,11 @@ class AddressSpace:
             self.views[key] = self.layout.slot_view(elems, off)
         return self.views[key]
 
-    def copy_set(self, src: tuple[int, int], dst: tuple[int, int]) -> None:
-        """Copy page-set ``src`` to ``dst`` (``(slot, index)`` each), every range, in one launch
-        (after the VMM calls a deferral window queued: the copy reads and writes through them)."""
-        issue = getattr(self.driver, "issue", None)
-        if issue is not None:
-            issue()
+    def copy_set(self, src: tuple[int, int], dst: tuple[int, int], pages: tuple = ()) -> None:
+        """Copy page-set ``src`` to ``dst`` (``(slot, index)`` each), every range, in one launch.
+        Inside a deferral window with calls queued, one copy per range instead, each queued
+        behind its range's calls (it reads and writes through them); ``pages``: the pool pages
+        of ``src`` and of ``dst`` (one per range each), marked as used by the queued copies."""
         lay, elems = self.layout, self.elems
         size = elems.element_size()
         page, stride = lay.page_bytes // size, lay.range_bytes // size
@@ -67,7 +66,11 @@ class AddressSpace:
         def view(slot, index):
             offset = elems.storage_offset() + lay.page_offset(slot, index) // size
             return elems.as_strided((lay.num_ranges, page), (stride, 1), offset)
-        if elems.device.type == "cuda":
+        if getattr(self.driver, "deferring", lambda: False)():
+            for rng in range(lay.num_ranges):
+                self.driver.touch([pids[rng] for pids in pages], rng)
+                self.driver.later(rng, lambda r=rng: view(*dst)[r].copy_(view(*src)[r]))
+        elif elems.device.type == "cuda":
             view(*dst).copy_(view(*src))             # one strided copy: one launch
         else:                                        # the host: one memcpy per range is faster
             for d, s in zip(view(*dst), view(*src)):

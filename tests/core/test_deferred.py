@@ -2,7 +2,8 @@
 
 The wrapper on its own (order, ranges, what makes the queue first, the worker's thread, a failed
 call), then a cache on the host backend: nothing is mapped before ``issue`` reaches the range,
-then exactly what the record says; copies, fences and ``wait`` make the queue first; the
+then exactly what the record says; copies (a block copy, a pack's fill) queue behind their
+ranges' calls, fences and ``wait`` make the queue first; the
 map-ahead worker waits for the queue; a failed deferred call is final and typed, and the cache
 still closes (best effort: what the record lost track of goes with the driver).
 """
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 from tests.core._util import make_cache
-from vattn.core.deferred import DeferredCallError, DeferredCalls
-from vattn.core.driver import FaultInjector, HostDriver
+from vattn.core.deferred import DeferredCallError, DeferredCalls, LaterFence
+from vattn.core.driver import DoneFence, FaultInjector, HostDriver
 from vattn.core.errors import DriverError
 
 BASE, RANGE = 1 << 30, 1 << 20
@@ -49,6 +50,7 @@ class Recorder:
 
     def record_fence(self):
         self._rec("record_fence")
+        return DoneFence()
 
     def bind_thread(self):
         pass
@@ -83,12 +85,20 @@ def test_calls_outside_the_ranges_and_ordered_calls_make_the_queue_first():
     assert drv.calls == [("map", BASE + RANGE, 4096, "h1"), ("map", BASE - 4096, 4096, "scratch")]
     calls.map(BASE, 4096, "h0")
     calls.zero(BASE, 4096)                             # a scrub: queued behind the map
-    calls.record_fence()                               # a fence covers the queue: made first
-    assert drv.calls[-3:] == [("map", BASE, 4096, "h0"), ("zero", BASE, 4096), ("record_fence",)]
+    copied = []
+    calls.later(1, lambda: copied.append(len(drv.calls)))   # a copy reading range 1: queued
+    fence = calls.record_fence()                       # inside the window: recorded where it stands
+    assert isinstance(fence, LaterFence) and not fence.done() and not copied
     calls.set_access(BASE, 4096)
+    calls.issue(1)                                     # ranges 0-1: not the fence (last range's)
+    assert drv.calls[-3:] == [("map", BASE, 4096, "h0"), ("zero", BASE, 4096), ("set_access", BASE, 4096)]
+    assert copied == [len(drv.calls)] and not fence.done()
+    fence.wait()                                       # makes the queue, then waits
+    assert fence.done() and drv.calls[-1] == ("record_fence",)
+    calls.map(BASE, 4096, "h0 again")
     calls.close_window()
-    calls.record_fence()                               # after the window: still first
-    assert drv.calls[-2:] == [("set_access", BASE, 4096), ("record_fence",)]
+    calls.record_fence()                               # after the window: the queue first
+    assert drv.calls[-2:] == [("map", BASE, 4096, "h0 again"), ("record_fence",)]
     assert calls.granularity == 4096                   # plain attributes pass through
 
 
@@ -176,7 +186,7 @@ def test_the_cache_maps_a_range_only_when_its_layers_are_ready():
         assert cache.metrics()["calls_deferred"] > 0 and cache.metrics()["issue_us"]["count"] == 2
 
 
-def test_copies_fences_and_wait_make_the_queue_first():
+def test_copies_queue_behind_their_ranges_and_fences_and_wait_make_the_queue_first():
     with _cache(map_ahead_tokens=T) as cache:
         a = cache.acquire()
         cache.bind(a, 0, ["x", "y"])
@@ -185,9 +195,11 @@ def test_copies_fences_and_wait_make_the_queue_first():
         with cache.deferred():
             b = cache.acquire()
             cache.bind(b, 0, ["x", "z"], hits=1)        # "x" mapped into b: queued
-            assert cache.calls_queued > 0
-            assert cache.copy_block("y", "z")           # a device copy: the queue first
-            assert cache.calls_queued == 0
+            queued = cache.calls_queued
+            assert queued > 0
+            assert cache.copy_block("y", "z")           # a device copy: queued per range behind them
+            assert cache.calls_queued == queued + cache.layout.num_ranges
+            cache.issue()
             assert (cache.k(0)[b, :2 * T] == 3.0).all() and (cache.v(2)[b, :2 * T] == 4.0).all()
             assert cache.step({b: 2 * T}) == []         # map-ahead held while calls wait
         cache.wait()                                    # makes them, then the worker goes on
@@ -253,7 +265,7 @@ def test_on_cuda_each_layer_reads_its_range_once_issued_while_kernels_are_queued
     """The CUDA driver's side: a window's maps made range by range between kernel launches (as
     the backend does before each layer, with the layers before it queued on the stream), then
     every layer reads what it wrote; and a hit mapped in a window reads its owner's bytes."""
-    with make_cache("cuda", num_layers=8, group_size=2, max_slots=4, max_context=8192,
+    with make_cache("cuda", num_layers=8, group_size=2, max_slots=4, max_context=4 * 4096,
                     page_budget=64 * (2 << 20)) as cache:
         t = cache.layout.tokens_for(1)
         a = cache.acquire()
@@ -276,4 +288,35 @@ def test_on_cuda_each_layer_reads_its_range_once_issued_while_kernels_are_queued
         for layer in range(8):
             assert (cache.k(layer)[b, 2 * t:3 * t] == layer).all()
             assert (cache.v(layer)[b, 2 * t:3 * t] == layer + 1).all()
+        cache.audit()
+
+
+def test_a_pack_build_in_a_window_waits_for_its_ranges():
+    """The second hit of a run written a step ago builds its pack inside a window: the pack's
+    allocations are made, its copies queued behind each range's calls (no scratch mapped yet);
+    the window's record is as if they were made. Issued, every hit reads the owner's bytes, and
+    the third hit maps the pack."""
+    from tests.core.test_packs import _cache as packed_cache, _hit
+    from tests.core.test_sharing import T as ST, fill, same
+    with packed_cache() as cache:
+        _hit(cache, ["a0", "a1", "a2", "a3"], value=7)        # bound and written, a step ago
+        _hit(cache, ["a0", "a1", "a2", "a3"])
+        with cache.deferred():
+            second = _hit(cache, ["a0", "a1", "a2", "a3"])    # builds 2 packs: queued copies
+            assert cache.metrics()["packs_built"] == 2 and cache.calls_queued > 0
+            assert not cache._pages.packs.scratch_pages()
+            third = _hit(cache, ["a0", "a1", "a2", "a3"])
+            mover = cache.acquire()                           # and a fresh block beside them
+            assert cache.bind(mover, 0, ["m0"])
+            cache.ensure({mover: ST})
+            queued = cache.calls_queued
+        assert queued > 0
+        cache.issue()
+        assert cache._pages.packs.scratch_pages()
+        for slot in (second, third):
+            assert same(cache, slot, 0, 4 * ST, 7)
+        assert cache.metrics()["pages_packed"] > 0
+        fill(cache, mover, 0, ST, 3)
+        assert same(cache, mover, 0, ST, 3)
+        _record_matches(cache)
         cache.audit()
