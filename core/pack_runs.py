@@ -82,8 +82,9 @@ class PackRuns:
         self.pool.refs[list(pids)] += 1         # shared: referenced elsewhere already (distinct)
         inside = max(0, min(len(pages) - start, size))
         pages[start:start + inside] = pids[:inside]
-        for pid in pids[inside:]:               # beyond the slot's pages: appended
-            self.add_page(slot, rng, pid)
+        if inside < size:                       # beyond the slot's pages: appended
+            pages.extend(pids[inside:])
+            self.held_n[slot] += size - inside
         self.packs.mapped(slot, rng, start, pack)
         self.counters.pages_aliased += size
         self.counters.pages_packed += size

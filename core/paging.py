@@ -54,6 +54,7 @@ class SlotPages(PackRuns):
         self.bases, self.counters = bases, counters
         #: whether one unmap call may cover several adjacent mappings (the driver says so)
         self.unmap_spans = bool(getattr(driver, "unmap_spans", False))
+        self._region = layout.region_bytes               # (va(): computed once)
         n = layout.num_va_slots
         self.mapped: list[list[list[int]]] = [[[] for _ in bases] for _ in range(n)]
         #: per slot and range, how many pages from the bottom are accessible (mapped + access granted)
@@ -111,7 +112,7 @@ class SlotPages(PackRuns):
         return all(len(pages) == have for pages in self.mapped[slot])
 
     def va(self, rng: int, slot: int, page: int) -> int:
-        return self.bases[rng] + self.layout.page_offset(slot, page)
+        return self.bases[rng] + slot * self._region + page * self.layout.page_bytes
 
     def _map(self, rng: int, slot: int, page: int, pid: int) -> None:
         """Map pool page ``pid`` as page ``page`` of ``slot`` in ``rng`` (one timed driver call;
