@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 
-from .errors import DriverError
+from .errors import DriverError, VattnError
 from .metrics import Counters
 
 __all__ = ["DeferredCalls", "DeferredCallError", "LaterFence", "DEFERRABLE"]
@@ -83,7 +83,8 @@ class DeferredCalls:
         """From now on queue the calling thread's deferrable calls until :meth:`issue` (what an
         earlier window queued is made first). The caller holds the cache's lock."""
         if self._owner is not None:
-            raise RuntimeError("a deferral window is open already")
+            raise VattnError("a deferral window is open already: expected it closed (leave the "
+                             "`with cache.deferred()` block) before another opens, got a second open")
         self.issue()
         self._owner = threading.get_ident()
 

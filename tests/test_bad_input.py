@@ -177,6 +177,11 @@ def _stage_env():
     return stage_prefixes()
 
 
+def _defer_env():
+    from vattn.core.config import defer_mapping
+    return defer_mapping()
+
+
 def _pack_env():
     from vattn.core.config import pack_mb, pack_sets
     return pack_mb(), pack_sets()
@@ -507,6 +512,8 @@ CASES = [
          _with_env(_vllm("exact_kernel_path"), VATTN_VLLM_EXACT="yes")),
     Case("stage-prefixes-env", "core.config.stage_prefixes", "VATTN_STAGE_PREFIXES=on", ConfigError,
          "VATTN_STAGE_PREFIXES must be 0 or 1", _with_env(_stage_env, VATTN_STAGE_PREFIXES="on")),
+    Case("defer-mapping-env", "core.config.defer_mapping", "VATTN_DEFER_MAPPING=yes", ConfigError,
+         "VATTN_DEFER_MAPPING must be 0 or 1", _with_env(_defer_env, VATTN_DEFER_MAPPING="yes")),
     Case("pack-mb-env", "core.config.pack_mb", "VATTN_PACK_MB=-1", ConfigError,
          "VATTN_PACK_MB must be", _with_env(_pack_env, VATTN_PACK_MB="-1")),
     Case("pack-sets-env", "core.config.pack_sets", "VATTN_PACK_SETS=1", ConfigError,

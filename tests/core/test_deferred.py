@@ -17,7 +17,7 @@ import torch
 from tests.core._util import make_cache
 from vattn.core.deferred import DeferredCallError, DeferredCalls, LaterFence
 from vattn.core.driver import DoneFence, FaultInjector, HostDriver
-from vattn.core.errors import DriverError
+from vattn.core.errors import DriverError, VattnError
 
 BASE, RANGE = 1 << 30, 1 << 20
 T = 32                                                  # tokens a page-set of the caches below
@@ -115,7 +115,7 @@ def test_only_the_window_thread_is_deferred_and_the_worker_thread_bypasses():
     t.start()
     t.join()
     assert drv.calls == [("map", BASE + RANGE, 4096, "worker's")] and calls.pending == 1
-    with pytest.raises(RuntimeError, match="open already"):
+    with pytest.raises(VattnError, match="open already"):
         calls.open_window()
     calls.close_window()
     calls.open_window()                                # a new window makes the old queue first
