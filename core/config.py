@@ -210,7 +210,7 @@ def pack_sets() -> int | tuple[int, ...]:
 
 
 #: ``1`` / ``0`` turns deferred mapping (:meth:`VirtualKVCache.deferred`) on / off in the engine
-#: adapters that can make the deferred calls layer by layer (vLLM's GPU runner)
+#: adapters that can make the deferred calls layer by layer (vLLM's GPU runner; default off there)
 DEFER_MAPPING_ENV = "VATTN_DEFER_MAPPING"
 
 

@@ -90,12 +90,14 @@ def _wrap_init(original, mr):
     def initialize_kv_cache(self, kv_cache_config):
         gpu_layout.check_engine_config(self.vllm_config)
         sharing = bool(getattr(self.vllm_config.cache_config, "enable_prefix_caching", False))
+        # off by default until a GPU run measures the version that keeps copies and fences queued
+        wanted = defer_mapping(False)
         defer, why_not = gpu_layout.defer_mapping_for(self.vllm_config)
-        if not defer and defer_mapping(True):
-            logger.info("vattn: deferred mapping off: %s", why_not)
+        if wanted and not defer:
+            logger.info("vattn: deferred mapping asked for but off: %s", why_not)
         runtime = start_runtime(kv_cache_config, device=self.device, max_num_reqs=self.max_num_reqs,
                                 max_model_len=self.max_model_len, max_num_tokens=self.max_num_tokens,
-                                prefix_caching=sharing, defer=defer and defer_mapping(True))
+                                prefix_caching=sharing, defer=defer and wanted)
         from .block_tables import VattnBlockTables
         tables = functools.partial(VattnBlockTables, runtime=runtime, seq_lens=self.input_buffers.seq_lens,
                                    num_computed=self.req_states.num_computed_tokens_np)
