@@ -207,7 +207,7 @@ class DeferredCalls:
         if self.failed is not None:
             self._check()
         me = threading.get_ident()
-        if me == self._owner:
+        if me == self._owner and not self._issuing:
             rng = (va - self.base) // self.range_bytes
             if va >= self.base and rng < self.num_ranges:
                 self.queues[rng].append((name, (va, *rest)))
