@@ -168,7 +168,7 @@ class Binding:
             return None
         new = list(cur)
         for rng, pid in zip(replace, pids):
-            st.pages.reuse(pid, rng)
+            st.driver.reuse(pid, rng)
             new[rng] = pid
         st.settle(slot)
         st.wait_fence(slot)

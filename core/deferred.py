@@ -33,13 +33,12 @@ from collections import deque
 from .errors import DriverError, VattnError
 from .metrics import Counters
 
-__all__ = ["DeferredCalls", "DeferredCallError", "LaterFence", "DEFERRABLE"]
+__all__ = ["DeferredCalls", "DeferredCallError", "LaterFence"]
 
-#: the calls a window queues (when they address one of the cache's ranges)
-DEFERRABLE = ("map", "set_access", "unmap", "zero")
-#: calls that touch mapped memory, handles in use or the stream: whatever is queued is made
-#: before them (``create`` and ``reserve`` make something new nothing queued can name)
-_ORDERED = frozenset(("map", "set_access", "unmap", "zero", "release", "free_va"))
+#: the driver's other calls that touch what a queued call may name (a handle, the reservation):
+#: whatever is queued is made before them (``create`` and ``reserve`` make something new; the
+#: calls a window queues, and fences, have methods of their own below)
+_ORDERED = frozenset(("release", "free_va"))
 
 
 class DeferredCallError(DriverError):
@@ -139,12 +138,11 @@ class DeferredCalls:
         copy on the stream) where the calls queued for ``rng`` so far are made: queued behind
         them inside the window, else now, after everything queued. Driver calls the job makes go
         straight to the driver."""
-        if threading.get_ident() == self._owner:
+        if threading.get_ident() == self._owner and not self._issuing:
             self.queues[rng].append(("job", (job,)))
             self.pending += 1
             return
-        if self.pending and threading.get_ident() not in self._bypass:
-            self.issue()
+        self._drain()
         job()
 
     def touch(self, pids, rng: int) -> None:
@@ -193,8 +191,7 @@ class DeferredCalls:
             self.queues[-1].append(("job", (fence.record,)))
             self.pending += 1
             return fence
-        if self.pending and not self._issuing and threading.get_ident() not in self._bypass:
-            self.issue()
+        self._drain()
         return self.inner.record_fence()
 
     def bind_thread(self) -> None:
@@ -204,18 +201,15 @@ class DeferredCalls:
         self.inner.bind_thread()
 
     def _call(self, name: str, va: int, *rest) -> None:
-        if self.failed is not None:
-            self._check()
-        me = threading.get_ident()
-        if me == self._owner and not self._issuing:
+        self._check()
+        if threading.get_ident() == self._owner and not self._issuing:
             rng = (va - self.base) // self.range_bytes
             if va >= self.base and rng < self.num_ranges:
                 self.queues[rng].append((name, (va, *rest)))
                 self.pending += 1
                 self.counters.calls_deferred += 1
                 return
-        if self.pending and not self._issuing and me not in self._bypass:
-            self.issue()
+        self._drain()
         getattr(self.inner, name)(va, *rest)
 
     def __getattr__(self, name: str):
@@ -224,12 +218,16 @@ class DeferredCalls:
             return attr
 
         def ordered(*args, **kwargs):
-            if self.failed is not None:
-                self._check()
-            if self.pending and not self._issuing and threading.get_ident() not in self._bypass:
-                self.issue()
+            self._drain()
             return attr(*args, **kwargs)
         return ordered
+
+    def _drain(self) -> None:
+        """Before a call that is made now: everything queued first (not from the worker's
+        thread, nor from a job ``issue`` is running); refused after a failure."""
+        self._check()
+        if self.pending and not self._issuing and threading.get_ident() not in self._bypass:
+            self.issue()
 
     def _check(self) -> None:
         if self.failed is not None:

@@ -31,8 +31,9 @@ class MapAhead:
     cond : threading.Condition
         The cache's lock: held to plan and to commit, released while the driver maps; notified
         whenever the worker goes idle or commits.
-    driver : Driver
-        Bound to the worker thread once (``bind_thread``).
+    driver : DeferredCalls
+        The cache's (over its driver): bound to the worker thread once (``bind_thread``: its
+        calls go straight through); ``pending`` says a deferral window's calls wait.
     slots : SlotTable
         Read: ``active`` and ``tenant``. Written: ``inflight`` holds the slot whose page-set is
         being mapped here (nobody else maps into it or takes its pages meanwhile).
@@ -74,7 +75,7 @@ class MapAhead:
     def _held(self) -> bool:
         """Calls a deferral window queued wait to be made: plan nothing (a page-set planned now
         could land where a queued unmap has not been made yet)."""
-        return bool(getattr(self.driver, "pending", 0))
+        return self.driver.pending > 0
 
     def _staged(self) -> bool:
         return self.staging is not None and bool(self.staging.jobs)

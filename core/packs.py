@@ -58,7 +58,8 @@ class Packs:
     Parameters
     ----------
     driver, pool
-        The cache's driver and page pool.
+        The cache's driver (its :class:`~.deferred.DeferredCalls`: packs queue their copies in a
+        deferral window) and page pool.
     sizes : tuple[int, ...]
         Page-sets per pack, largest first (powers of two >= 2; a run of one size is matched at
         multiples of it): a hit is tiled with the largest that fits each aligned start.
@@ -223,16 +224,15 @@ class Packs:
         area["fence"] = None
         # each range's copy runs where that range's queued VMM calls are made (a deferral window:
         # as the forward reaches the range; else now)
-        run = getattr(self.driver, "later", None) or (lambda rng, job: job())
-        queued = getattr(self.driver, "deferring", lambda: False)()
+        queued = self.driver.deferring()
         try:
             for rng, handle in enumerate(pack.handles):
                 if queued:                      # the copy reads the run's pool pages
                     self.driver.touch(pack.pids[rng], rng)
-                run(rng, functools.partial(self._fill_range, area, base + rng * room, nbytes, handle,
+                self.driver.later(rng, functools.partial(self._fill_range, area, base + rng * room, nbytes, handle,
                                            source, rng))
         finally:                                # one fence after the copies queued (all, or some)
-            run(self.num_ranges - 1, functools.partial(self._fence, area))
+            self.driver.later(self.num_ranges - 1, functools.partial(self._fence, area))
         pack.ready = True
 
     def _fill_range(self, area: dict, at: int, nbytes: int, handle, source, rng: int) -> None:
@@ -261,9 +261,7 @@ class Packs:
         a copy still queued in a deferral window is made first)."""
         if area["pack"] is None and not area["mapped"]:
             return
-        issue = getattr(self.driver, "issue", None)
-        if issue is not None:
-            issue()
+        self.driver.issue()
         if area["fence"] is not None and not area["fence"].done():
             area["fence"].wait()
         while area["mapped"]:

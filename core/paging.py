@@ -46,7 +46,9 @@ class PendingSet:
 
 
 class SlotPages(PackRuns):
-    """Which pool pages back which slot pages, in every range (pack runs: :class:`PackRuns`)."""
+    """Which pool pages back which slot pages, in every range (pack runs: :class:`PackRuns`).
+    ``driver`` is the cache's :class:`~.deferred.DeferredCalls` (a deferral window queues what
+    this maps)."""
 
     def __init__(self, cfg: KVCacheConfig, layout: KVLayout, driver, pool: PagePool,
                  bases: list[int], counters: Counters):
@@ -145,7 +147,7 @@ class SlotPages(PackRuns):
         pages = self.mapped[slot][rng]
         while len(pages) < num_sets:
             (pid,) = self.pool.take(1)
-            self.reuse(pid, rng)
+            self.driver.reuse(pid, rng)
             try:
                 self.counters.map_calls += 1
                 self._map(rng, slot, len(pages), pid)
@@ -363,12 +365,6 @@ class SlotPages(PackRuns):
             self.num_accessible[slot][rng] = len(pages)
         return first
 
-    def reuse(self, pid: int, rng: int) -> None:
-        """Pool page ``pid`` is about to serve range ``rng`` (see :meth:`DeferredCalls.reuse`)."""
-        reuse = getattr(self.driver, "reuse", None)
-        if reuse is not None:
-            reuse(pid, rng)
-
     def call(self, name: str, *args) -> None:
         """One driver call; a failure is counted and re-raised (the caller's record stays exact)."""
         try:
@@ -394,8 +390,8 @@ class SlotPages(PackRuns):
                 if span is not None:            # zero the page, not the pack other slots map
                     self._unpack(slot, rng, span, i, i)
                     self._restore_access(slot, rng)
-                self.reuse(pid, rng)
-                if getattr(self.driver, "deferring", lambda: False)():
+                self.driver.reuse(pid, rng)
+                if self.driver.deferring():
                     self.driver.touch((pid,), rng)
                 self.driver.zero(self.va(rng, slot, i), self.layout.page_bytes)
                 self.counters.pages_scrubbed += 1

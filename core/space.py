@@ -14,7 +14,9 @@ MAX_VA_BYTES = 1 << 46  # 64 TiB: inside both the x86-64 user space and the CUDA
 
 
 class AddressSpace:
-    """The VA ranges of one cache, range ``r`` at ``base + r * range_bytes``.
+    """The VA ranges of one cache, range ``r`` at ``base + r * range_bytes``. Reserved through
+    the cache's driver; the cache then sets ``driver`` to its :class:`~.deferred.DeferredCalls`
+    over these ranges (copies queue behind their ranges' calls in a deferral window).
 
     Raises
     ------
@@ -54,7 +56,7 @@ class AddressSpace:
             self.views[key] = self.layout.slot_view(elems, off)
         return self.views[key]
 
-    def copy_set(self, src: tuple[int, int], dst: tuple[int, int], pages: tuple = ()) -> None:
+    def copy_set(self, src: tuple[int, int], dst: tuple[int, int], pages: tuple) -> None:
         """Copy page-set ``src`` to ``dst`` (``(slot, index)`` each), every range, in one launch.
         Inside a deferral window with calls queued, one copy per range instead, each queued
         behind its range's calls (it reads and writes through them); ``pages``: the pool pages
@@ -66,7 +68,7 @@ class AddressSpace:
         def view(slot, index):
             offset = elems.storage_offset() + lay.page_offset(slot, index) // size
             return elems.as_strided((lay.num_ranges, page), (stride, 1), offset)
-        if getattr(self.driver, "deferring", lambda: False)():
+        if self.driver.deferring():
             for rng in range(lay.num_ranges):
                 self.driver.touch([pids[rng] for pids in pages], rng)
                 self.driver.later(rng, lambda r=rng: view(*dst)[r].copy_(view(*src)[r]))

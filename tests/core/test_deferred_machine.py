@@ -81,7 +81,7 @@ class DeferredLaggingMachine(_Deferred, PackedLaggingSharingMachine):
                 for rng in range(cache.layout.num_ranges):
                     pending[pages.va(rng, slot, index)] = device.now + device.lag
 
-        def copy_set_guarded(src, dst, sets=()):
+        def copy_set_guarded(src, dst, sets):
             queued = calls.deferring()
             copy_set(src, dst, sets)
             if queued:

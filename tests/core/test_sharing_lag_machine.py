@@ -84,7 +84,7 @@ class _Lagging:
         pending: dict[int, int] = {}               # page address -> the step its copy runs in
         copy_set, unmap = space.copy_set, host.unmap
 
-        def copy_set_guarded(src, dst, sets=()):
+        def copy_set_guarded(src, dst, sets):
             copy_set(src, dst, sets)
             for slot, index in (src, dst):
                 for rng in range(cache.layout.num_ranges):
