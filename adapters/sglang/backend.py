@@ -13,7 +13,9 @@ Op backends: ``"sdpa"`` runs SGLang ``torch_native``'s exact SDPA call on the sl
 ``vattn.core.ops`` (``"auto"`` on CUDA: the fastest installed kernel).
 
 ``init_forward_metadata`` is host-side (may synchronize); ``forward_*`` launch only the store
-and the attention op (the ``"sdpa"`` path also reads lengths on the host).
+and the attention op (the ``"sdpa"`` path also reads lengths on the host), after making the VMM
+calls the preparation deferred for the layer's VA range, when deferred mapping is on
+(:attr:`~.requests.RowSlots.defer_mapping`; before a decode graph replay: all of them).
 
 Decode CUDA graphs (SGLang's decode graph runner): ``init_cuda_graph_state`` allocates persistent
 ``slots`` / ``seqlens`` buffers; ``init_forward_metadata_out_graph`` (before capture and before
@@ -166,6 +168,7 @@ class VattnAttnBackend(AttentionBackend):
         self._graph_slots[:bs].copy_(dev_slots)
         self._graph_seqlens[:bs].copy_(dev_seq)
         self._graph_rows[:bs].copy_(dev_rows)
+        self.requests.ready()                           # a replay runs no layer's Python
         self.forward_metadata = VattnMetadata(self._graph_slots[:bs], self._graph_seqlens[:bs],
                                               self._graph_cu_q[:bs + 1], 1, self.rows_per_slot,
                                               self._graph_rows[:bs])
@@ -216,6 +219,7 @@ class VattnAttnBackend(AttentionBackend):
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache, decode=True)
 
     def _attend(self, q, k, v, layer, forward_batch, save_kv_cache: bool, decode: bool):
+        self.requests.ready(layer.layer_id)             # deferred VMM calls of its range first
         self._store(layer, k, v, forward_batch, save_kv_cache)
         md = self.forward_metadata
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)

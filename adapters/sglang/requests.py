@@ -34,6 +34,7 @@ whose request ids are unknown, hit page ids not copied at row allocation: ``devi
 
 from __future__ import annotations
 
+import contextlib
 import time
 from operator import itemgetter
 
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from vattn.core.config import DRIVER_RETRIES_ENV, driver_retries
+from vattn.core.config import defer_mapping as defer_mapping_env
 from vattn.core.config import stage_prefixes as stage_prefixes_env
 from vattn.core.errors import ConfigError, DriverRetry, SlotError, VattnError
 from vattn.core.metrics import Histogram
@@ -89,10 +91,15 @@ class RowSlots:
         ones (:meth:`VirtualKVCache.stage_prefix`, :class:`~vattn.core.staging.PrefixBursts`);
         default ``$VATTN_STAGE_PREFIXES`` (1). Only with map-ahead on (the GPU default): the
         worker maps while the device computes.
+    defer_mapping : bool, optional
+        Queue the VMM calls of :meth:`prepare` per VA range (:meth:`VirtualKVCache.deferred`)
+        and make them as the forward reaches each range (:meth:`ready`, from the attention
+        backend), so the device computes the layers before while the host maps; default
+        ``$VATTN_DEFER_MAPPING`` (0 until a GPU run measures it here).
     """
 
     def __init__(self, cache, *, page_size: int, retries: int | None = None,
-                 stage_prefixes: bool | None = None):
+                 stage_prefixes: bool | None = None, defer_mapping: bool | None = None):
         if cache.layout.tokens_for(1) != page_size:
             raise ConfigError(f"SGLang page_size {page_size} must equal the tokens of one vattn "
                               f"page-set ({cache.layout.tokens_for(1)})")
@@ -115,6 +122,7 @@ class RowSlots:
         wanted = stage_prefixes_env() if stage_prefixes is None else stage_prefixes
         self.staging = bool(wanted) and cache.config.map_ahead_tokens > 0
         self._bursts = PrefixBursts()
+        self.defer_mapping = bool(defer_mapping_env(False) if defer_mapping is None else defer_mapping)
         self.hit_ids = HitIds(page_size)             # radix hits' page ids, copied at alloc
         #: reads from the device that waited for it: the rows of a batch with an unknown request
         #: id, hit page ids not copied ahead (with SGLang's request ids: none)
@@ -292,9 +300,21 @@ class RowSlots:
             The pool ran short although SGLang allocated the pages (vattn and SGLang disagree:
             a bug, not memory pressure).
         """
-        start = time.perf_counter()
         if self.req_to_token is None:
             raise ConfigError("RowSlots.prepare before attach(req_to_token_pool)")
+        with self.cache.deferred() if self.defer_mapping else contextlib.nullcontext():
+            return self._prepare(rows, seq_lens, prefix_lens, rids)
+
+    def ready(self, layer: int | None = None) -> None:
+        """Make the VMM calls :meth:`prepare` deferred for the ranges ``layer`` reads (and those
+        before them; every range with ``None``): from the attention backend before a layer's
+        store and attention, and before a CUDA-graph replay. Cheap when none wait; a failed
+        call is final (:class:`~vattn.core.deferred.DeferredCallError`)."""
+        if self.cache.calls_queued:
+            self.cache.issue(layer)
+
+    def _prepare(self, rows, seq_lens, prefix_lens, rids) -> np.ndarray:
+        start = time.perf_counter()
         lap = _Laps(self.phase_ms["decode" if prefix_lens is None else "extend"], start)
         self.late.resolve(wait=False)                # bind what has landed
         lap("resolve")

@@ -41,8 +41,8 @@ class SglangRunner:
     Parameters
     ----------
     modes : tuple of str
-        Subset of ``("stock", "stock-eager", "vattn", "vattn-eager", "vattn-nostage", "vattn-packs")`` (the last two:
-        prefix staging off); the first is the baseline.
+        Subset of :data:`~vattn.conformance.workers.sglang.MODES` (``vattn-nostage``,
+        ``vattn-packs`` and ``vattn-defer``: prefix staging off); the first is the baseline.
     engine_args : dict, optional
         Extra ``sglang.Engine`` keyword arguments for every mode (e.g. ``load_format="dummy"``,
         ``max_running_requests``, ``context_length``, ``mem_fraction_static``).
@@ -103,17 +103,19 @@ class SglangRunner:
     def env_for(mode: str) -> dict:
         """The environment of ``mode``'s engine process: this one's, SGLang's FA3 kernel chosen,
         ``VATTN_SGLANG=1`` (the vattn platform) for the vattn modes only, prefix staging off for
-        ``vattn-nostage`` and ``vattn-packs``, 1 GiB of packs for ``vattn-packs``."""
+        ``vattn-nostage``, ``vattn-packs`` and ``vattn-defer``, 1 GiB of packs for the last two,
+        deferred mapping for ``vattn-defer``."""
         env = dict(os.environ, SGLANG_USE_SGL_FA3_KERNEL="1")
-        env.pop("VATTN_SGLANG", None)
-        env.pop("VATTN_STAGE_PREFIXES", None)
-        env.pop("VATTN_PACK_MB", None)
+        for name in ("VATTN_SGLANG", "VATTN_STAGE_PREFIXES", "VATTN_PACK_MB", "VATTN_DEFER_MAPPING"):
+            env.pop(name, None)
         if mode.startswith("vattn"):
             env["VATTN_SGLANG"] = "1"
-        if mode in ("vattn-nostage", "vattn-packs"):
+        if mode in ("vattn-nostage", "vattn-packs", "vattn-defer"):
             env["VATTN_STAGE_PREFIXES"] = "0"
-        if mode == "vattn-packs":
+        if mode in ("vattn-packs", "vattn-defer"):
             env["VATTN_PACK_MB"] = "1024"
+        if mode == "vattn-defer":
+            env["VATTN_DEFER_MAPPING"] = "1"
         return env
 
     def _launch(self, mode: str, spec: dict) -> RunResult:

@@ -12,7 +12,8 @@ SGLang's page size, vattn gets the one its platform sets (one page-set). ``stock
 ``stock-eager``: the same without CUDA graphs; ``vattn``: ``--attention-backend vattn`` with
 SGLang's decode CUDA graphs (the backend's graph hooks); ``vattn-eager``: vattn without CUDA graphs;
 ``vattn-nostage``: vattn with prefix staging off (``VATTN_STAGE_PREFIXES=0``, set by the runner);
-``vattn-packs``: that with 1 GiB of packs of shared runs (``VATTN_PACK_MB=1024``, the runner).
+``vattn-packs``: that with 1 GiB of packs of shared runs (``VATTN_PACK_MB=1024``, the runner);
+``vattn-defer``: ``vattn-packs`` with deferred mapping (``VATTN_DEFER_MAPPING=1``, the runner).
 Every mode runs prefill eagerly (``disable_prefill_cuda_graph``): the vattn backend does not support
 SGLang's prefill graphs yet, so stock runs without them too, like for like.
 Timing: a short warm-up generate first, then ``generations`` (default 1) timed ``generate`` calls
@@ -38,9 +39,9 @@ from . import main as _main
 
 __all__ = ["MODES", "engine_kwargs", "run", "main"]
 
-MODES = ("stock", "stock-eager", "vattn", "vattn-eager", "vattn-nostage", "vattn-packs")
+MODES = ("stock", "stock-eager", "vattn", "vattn-eager", "vattn-nostage", "vattn-packs", "vattn-defer")
 _BACKEND = {"stock": "fa3", "stock-eager": "fa3", "vattn": "vattn", "vattn-eager": "vattn",
-            "vattn-nostage": "vattn", "vattn-packs": "vattn"}
+            "vattn-nostage": "vattn", "vattn-packs": "vattn", "vattn-defer": "vattn"}
 
 
 def engine_kwargs(mode: str, model_path: str, extra: dict) -> dict:

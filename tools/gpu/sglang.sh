@@ -19,7 +19,7 @@
 # machine starts in 104-126 s (torch.compile + graph capture), a later one in ~43 s; stock's
 # decode-heavy generation took 10.9 s. Modes per throughput
 # stage: VATTN_MODES (default "stock vattn", both with SGLang's decode CUDA graphs; "stock-eager" /
-# "vattn-eager" without them; "vattn-nostage": vattn with prefix staging off, for an A/B; "vattn-packs": that with 1 GiB of packs of shared runs). One engine run is capped by VATTN_RUN_TIMEOUT (200 s).
+# "vattn-eager" without them; "vattn-nostage": vattn with prefix staging off, for an A/B; "vattn-packs": that with 1 GiB of packs of shared runs; "vattn-defer": that with deferred mapping). One engine run is capped by VATTN_RUN_TIMEOUT (200 s).
 # Needs SGLang 0.5.17 and its deps importable, e.g. staged into $VATTN_SITE (a folder of unpacked
 # wheels). The wheel set (CPython 3.12 x86-64 next to torch 2.11, 567 MB; ran on the H200
 # 2026-12-04): sglang==0.5.17 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1 xgrammar==0.2.1

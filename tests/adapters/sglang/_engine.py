@@ -61,7 +61,7 @@ class Engine:
     """SGLang's memory classes + vattn's pool / allocator / backend, driven step by step."""
 
     def __init__(self, *, reqs=6, ctx=128, page_sets=None, radix=True, map_ahead=0, rids=True,
-                 defer_frees=False, graphs=False, driver=None, packs=False):
+                 defer_frees=False, graphs=False, driver=None, packs=False, defer_mapping=False):
         self.rids = rids              # False: forward batches without request ids (decode reads rows)
         page_sets = page_sets or reqs * -(-ctx // PAGE)
         self.cache = make_cache(num_layers=L, num_kv_heads=HK, head_dim=D, dtype=torch.float32,
@@ -70,6 +70,7 @@ class Engine:
                                 page_budget=(page_sets + 2) * L * PAGE * TOKEN_BYTES, driver=driver,
                                 pack_pages=16 * L if packs else 0, pack_sets=2)
         self.pool = VattnMHATokenToKVPool.from_cache(self.cache, page_size=PAGE)
+        self.pool.requests.defer_mapping = defer_mapping   # VMM calls made layer by layer
         self.alloc = VattnTokenAllocator(page_sets * PAGE, PAGE, torch.float32, "cpu", self.pool)
         self.alloc.defer_frees = defer_frees    # as on the GPU: frees settled at the next alloc
         self.r2t = ReqToTokenPool(size=reqs, max_context_len=ctx, device="cpu",
@@ -180,6 +181,7 @@ class Engine:
             q = torch.ones(k.shape[0], HQ * D)
             fwd = self.backend.forward_extend if mode.is_extend() else self.backend.forward_decode
             fwd(q, k, v, layer, fb)
+        assert not self.cache.calls_queued, "a forward left deferred VMM calls unmade"
         self.check(reqs, seqs)
 
     def slot_of(self, req) -> int:

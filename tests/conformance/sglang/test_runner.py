@@ -76,3 +76,13 @@ def test_the_packs_mode_is_vattn_with_staging_off_and_a_pack_budget(monkeypatch)
     assert "VATTN_PACK_MB" not in plain and packs["VATTN_PACK_MB"] == "1024"
     assert packs["VATTN_STAGE_PREFIXES"] == "0" and packs["VATTN_SGLANG"] == "1"
     assert engine_kwargs("vattn-packs", "/m", {}) == engine_kwargs("vattn", "/m", {})
+    assert "VATTN_DEFER_MAPPING" not in packs
+
+
+def test_the_defer_mode_is_the_packs_mode_with_deferred_mapping(monkeypatch):
+    from vattn.conformance.runners.sglang import SglangRunner
+    monkeypatch.setenv("VATTN_DEFER_MAPPING", "1")        # this process's setting is not inherited
+    packs, defer = SglangRunner.env_for("vattn-packs"), SglangRunner.env_for("vattn-defer")
+    assert "VATTN_DEFER_MAPPING" not in packs and defer.pop("VATTN_DEFER_MAPPING") == "1"
+    assert defer == packs
+    assert engine_kwargs("vattn-defer", "/m", {}) == engine_kwargs("vattn", "/m", {})
