@@ -119,11 +119,13 @@ def summarize(rows: list[dict]) -> dict:
     """Totals of a part: steps, host ms, device idle ms, requests bound, driver calls in the
     sections and by the worker between them."""
     host = sum(r["t1"] - r["t0"] for r in rows) * 1e3
+    cpu = sum(r.get("cpu_ms", 0.0) for r in rows)     # (traces before 2026-12-07 have none)
     idle = sum(r["idle_us"] or 0.0 for r in rows) / 1e3
     calls = {k: sum(r["calls"].get(k, 0) for r in rows) for k in ("map_calls", "unmap_calls", "set_access_calls")}
     worker = {k: sum(r["worker"].get(k, 0) for r in rows) for k in ("map_calls", "unmap_calls", "issued_us")}
     span = (rows[-1]["t1"] - rows[0]["t0"]) * 1e3 if rows else 0.0
-    return {"steps": len(rows), "span_ms": round(span, 1), "host_ms": round(host, 1), "idle_ms": round(idle, 1),
+    return {"steps": len(rows), "span_ms": round(span, 1), "host_ms": round(host, 1), "cpu_ms": round(cpu, 1),
+            "idle_ms": round(idle, 1),
             "binds": sum(r.get("binds", 0) for r in rows), "calls": calls, "worker_calls": worker,
             "deferred": sum(r["calls"].get("calls_deferred", 0) for r in rows)}
 
@@ -132,7 +134,8 @@ def _report(mode: str, trace: dict, walls, top: int) -> str:
     lines = [f"## {mode} (pid {trace['pid']}): {trace['header'].get('cache', '')}"]
     for name, rows in generations(trace, walls):
         s = summarize(rows)
-        lines.append(f"- {name}: {s['steps']} steps over {s['span_ms']:.0f} ms; host {s['host_ms']:.1f} ms, "
+        lines.append(f"- {name}: {s['steps']} steps over {s['span_ms']:.0f} ms; host {s['host_ms']:.1f} ms "
+                     f"(its thread's CPU {s['cpu_ms']:.1f} ms), "
                      f"device idle behind it {s['idle_ms']:.1f} ms; {s['binds']} requests bound; in the "
                      f"sections map {s['calls']['map_calls']} / unmap {s['calls']['unmap_calls']} / access "
                      f"{s['calls']['set_access_calls']}; worker map {s['worker_calls']['map_calls']} / "
@@ -145,7 +148,8 @@ def _report(mode: str, trace: dict, walls, top: int) -> str:
         for r in sorted(worst, key=lambda r: r["t0"]):
             gap = r["t0"] - rows[0]["t0"]
             busy = {True: "device busy at start", False: "device idle at start"}.get(r.get("busy"), "")
-            lines.append(f"  - +{gap * 1e3:7.1f} ms: {busy}, host {(r['t1'] - r['t0']) * 1e3:6.1f} ms, idle "
+            lines.append(f"  - +{gap * 1e3:7.1f} ms: {busy}, host {(r['t1'] - r['t0']) * 1e3:6.1f} ms "
+                         f"(CPU {r.get('cpu_ms', 0.0):6.1f}), idle "
                          f"{(r['idle_us'] or 0) / 1e3:6.1f} ms, binds {r.get('binds', 0)}, steps {r.get('steps', 0)}, "
                          f"map {r['calls']['map_calls']}, unmap {r['calls']['unmap_calls']}, worker map "
                          f"{r['worker']['map_calls']} since the last")

@@ -29,8 +29,9 @@ COUNTERS = ("map_calls", "set_access_calls", "unmap_calls", "pages_aliased", "pa
 
 
 class StepTrace:
-    """Rows of ``{t0, t1, idle_us, n, c0, c1, ...}`` (seconds since the trace began, device idle
-    µs or ``None`` until known, the section's own fields, counters at each end).
+    """Rows of ``{t0, t1, idle_us, cpu_ms, c0, c1, ...}`` (seconds since the trace began, device
+    idle µs or ``None`` until known, the thread's CPU ms in the section, the section's own
+    fields, counters at each end).
 
     Parameters
     ----------
@@ -76,7 +77,7 @@ class StepTrace:
 
     def begin(self) -> None:
         """A section starts (call :meth:`end` when it is over)."""
-        self._open = {"t0": self._now(), "c0": self._counts()}
+        self._open = {"t0": self._now(), "c0": self._counts(), "cpu_ms": time.thread_time()}
         if self.profile is not None:
             self.profile.enable()
 
@@ -90,7 +91,10 @@ class StepTrace:
         if len(self.rows) >= self.limit:
             self.dropped += 1
             return
-        row |= {"t1": self._now(), "c1": self._counts(), "idle_us": None} | fields
+        # the section's own thread CPU time: host ms well above it were spent waiting (a lock,
+        # the GIL, a driver call that sleeps), not computing
+        cpu = round((time.thread_time() - row["cpu_ms"]) * 1e3, 3)
+        row |= {"t1": self._now(), "c1": self._counts(), "idle_us": None, "cpu_ms": cpu} | fields
         self.rows.append(row)
 
     def idle(self, value_us: float) -> None:

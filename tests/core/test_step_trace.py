@@ -100,3 +100,21 @@ def test_profile_env_is_checked(tmp_path):
 def test_the_harness_run_name_goes_into_the_header(tmp_path):
     env = {"VATTN_STEP_TRACE": str(tmp_path / "a.json"), "VATTN_RUN_NAME": "vattn:p0@2"}
     assert step_trace.from_env(_counters, environ=env).header["run"] == "vattn:p0@2"
+
+
+def test_a_section_that_waits_shows_less_cpu_than_host_time(tmp_path):
+    """``cpu_ms`` is the section's own thread CPU time: a section that sleeps (as one waiting for
+    a lock or the GIL does) shows far less CPU than wall time, one that computes about as much."""
+    import time
+    trace = StepTrace(str(tmp_path / "t.json"), _counters)
+    trace.begin()
+    time.sleep(0.05)
+    trace.end()
+    trace.begin()
+    end = time.thread_time() + 0.03
+    while time.thread_time() < end:
+        pass
+    trace.end()
+    waited, computed = trace.rows
+    assert (waited["t1"] - waited["t0"]) * 1e3 >= 45 and waited["cpu_ms"] < 10
+    assert computed["cpu_ms"] >= 29 and computed["cpu_ms"] <= (computed["t1"] - computed["t0"]) * 1e3 + 1
