@@ -145,14 +145,14 @@ class SlotPages(PackRuns):
 
     def _grow_range(self, slot: int, rng: int, num_sets: int, tenant, *, ahead: bool) -> None:
         pages = self.mapped[slot][rng]
-        while len(pages) < num_sets:
-            (pid,) = self.pool.take(1)
+        pids = self.pool.take(num_sets - len(pages)) if len(pages) < num_sets else []
+        for k, pid in enumerate(pids):            # taken at once (grow checked the pool has them)
             self.driver.reuse(pid, rng)
             try:
                 self.counters.map_calls += 1
                 self._map(rng, slot, len(pages), pid)
             except DriverError:
-                self.pool.give([pid])
+                self.pool.give(pids[k:])
                 self.counters.driver_faults += 1
                 raise
             self.add_page(slot, rng, pid)
