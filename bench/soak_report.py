@@ -9,7 +9,8 @@ group (``rss_mb``, ``fds``, ``threads``, ``procs``), the GPU's used memory (``gp
 *Flat* compares the median of the load's last quarter with the median of its second quarter
 (the first quarter warms up: allocator arenas, CUDA graphs, the prefix cache and vattn's warm
 pages filling; medians, because RSS jumps by tens of MB from sample to sample): a series is flat
-when it grew by at most its tolerance between them (fds: :data:`FD_SLACK`; RSS:
+when it grew by at most its tolerance between them (fds, net of the requests in flight, whose
+sockets they are: :data:`FD_SLACK`; RSS:
 :data:`RSS_SLACK` of its value; GPU memory: 64 MB). On the host backend the KV pages are host
 memory, so the server's RSS grows while vattn maps pages: there RSS is judged net of vattn's
 mapped bytes (the engine's snapshots).
@@ -73,6 +74,10 @@ def verdicts(result: dict, samples: list[dict]) -> list[tuple[str, bool, str]]:
         samples = [s | {"rss_mb": s["rss_mb"] - s["mapped_bytes"] / 2**20}    # judged net of them
                    if s.get("rss_mb") is not None and s.get("mapped_bytes") is not None else s
                    for s in samples]
+    # each request in flight holds one of the server's sockets: fds are judged net of them (a
+    # slower server near the end of the load has more requests open, not a leak)
+    samples = [s | {"fds": s["fds"] - s["in_flight"]} if s.get("fds") is not None
+               and s.get("in_flight") is not None else s for s in samples]
     died = result.get("died_at_s")
     out.append(("server up to the end", result.get("server_alive", False),
                 "answered /health after the load" if result.get("server_alive") else

@@ -36,6 +36,15 @@ def test_spikes_are_not_growth():
     assert g["q2"] == 2500.0 and g["q4"] == 2440.0 and g["max"] == 2600.0 and g["growth"] == -60.0
 
 
+def test_sockets_of_requests_in_flight_are_not_an_fd_leak():
+    """A server that slows near the end holds more requests open: its fds rise with them (one
+    socket each), which is flat net of them; fds that rise while in flight stays put are not."""
+    rising = [s | {"in_flight": 2 + s["t"] // 2} if s["phase"] == "load" else s
+              for s in _samples(fds=lambda i: 100 + i // 2)]
+    assert _failed(rep.verdicts(_result(), rising)) == set()
+    assert _failed(rep.verdicts(_result(), _samples(fds=lambda i: 100 + i // 2))) == {"open fds flat"}
+
+
 def test_each_kind_of_trouble_fails_its_check():
     assert _failed(rep.verdicts(_result(), _samples(fds=lambda i: 100 + i))) == {"open fds flat"}
     assert _failed(rep.verdicts(_result(), _samples(rss=lambda i: 2000.0 + 5 * i))) == {"host RSS flat"}
