@@ -1,4 +1,4 @@
-"""The ``vattn`` command: ``info``, ``bench {vmm,attention,layout,host,engine,serve,faults,soak,sched,aliasing}``, ``conformance``,
+"""The ``vattn`` command: ``info``, ``bench {vmm,attention,layout,host,engine,serve,faults,soak,sched,radix,aliasing}``, ``conformance``,
 ``compare``.
 
 A bad input ends the command with one line on stderr (what was expected, what was given, what
@@ -35,6 +35,7 @@ _BENCHES = {
     "serve": ("vattn.bench.serve", "the engine's own server + benchmark client, stock vs vattn, alternated"),
     "faults": ("vattn.bench.faults", "driver faults and a dry page pool inside a running vLLM engine"),
     "soak": ("vattn.bench.soak", "an engine server under mixed load with aborts: memory, fds, pages, audit"),
+    "radix": ("vattn.bench.radix", "SGLang's radix cache driving vattn's pool: host time per forward (host backend)"),
     "sched": ("vattn.bench.sched", "the engine core's prefix-cache bookkeeping per generation (vLLM's KVCacheManager)"),
     "steps": ("vattn.bench.steps", "a GPU run's step traces: vattn's host time, device idle and driver calls per step"),
     "aliasing": ("vattn.bench.aliasing", "decode over a shared prefix: private copies vs aliased pages vs one region"),
