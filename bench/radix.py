@@ -63,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="page-sets per pack, or several sizes (VATTN_PACK_SETS)")
     parser.add_argument("--defer-mapping", action="store_true",
                         help="queue each forward's VMM calls per range, made layer by layer (VATTN_DEFER_MAPPING)")
-    parser.add_argument("--stage-prefixes", choices=("on", "off"), default="on",
-                        help="map prefixes a burst keeps hitting into idle slots ahead (VATTN_STAGE_PREFIXES)")
+    parser.add_argument("--stage-prefixes", choices=("on", "off"), default=None,
+                        help="map prefixes a burst keeps hitting into idle slots ahead (VATTN_STAGE_PREFIXES; "
+                             "default: the adapter's, on without packs and off with them)")
     parser.add_argument("--seed", type=int, default=0, help="prompt tokens")
     parser.add_argument("--benchmarks", default="BENCHMARKS.md", help="file to write the section to")
     parser.add_argument("--no-report", action="store_true", help="print only, leave BENCHMARKS.md")
@@ -115,7 +116,8 @@ class Replay:
         self.pool = VattnMHATokenToKVPool.from_cache(self.cache, page_size=args.page)
         self.rows = self.pool.requests
         self.rows.defer_mapping = args.defer_mapping
-        self.rows.staging = args.stage_prefixes == "on"
+        if args.stage_prefixes is not None:
+            self.rows.staging = args.stage_prefixes == "on"
         self.alloc = VattnTokenAllocator(sets * args.page, args.page, torch.float16, "cpu", self.pool)
         self.alloc.defer_frees = True                  # as on a GPU: settled at the next allocation
         self.r2t = ReqToTokenPool(size=args.max_running, max_context_len=context, device="cpu",
@@ -265,6 +267,7 @@ def run(args) -> int:
                                f"bash tools/engine_env.sh sglang): {exc}") from None
     prompts = prompts_for(args)
     replay = Replay(args)
+    args.stage_prefixes = "on" if replay.rows.staging else "off"     # as it ran, for the report
     try:
         runs = [replay.generation(prompts) for _ in tqdm(range(args.generations), desc="generations", leave=False)]
         replay.cache.audit()

@@ -89,8 +89,8 @@ class RowSlots:
     stage_prefixes : bool, optional
         Map a prefix that new requests keep hitting into empty idle slots ahead of the next
         ones (:meth:`VirtualKVCache.stage_prefix`, :class:`~vattn.core.staging.PrefixBursts`);
-        default ``$VATTN_STAGE_PREFIXES`` (1). Only with map-ahead on (the GPU default): the
-        worker maps while the device computes.
+        default ``$VATTN_STAGE_PREFIXES``, else on without packs and off with them. Only with
+        map-ahead on (the GPU default): the worker maps while the device computes.
     defer_mapping : bool, optional
         Queue the VMM calls of :meth:`prepare` per VA range (:meth:`VirtualKVCache.deferred`)
         and make them as the forward reaches each range (:meth:`ready`, from the attention
@@ -119,7 +119,10 @@ class RowSlots:
                                  f"{DRIVER_RETRIES_ENV}; SGLang cannot preempt one request from the "
                                  "attention backend")
         self.late = LateIds(cache, page_size, self.retry)   # page-sets claimed, ids not bound yet
-        wanted = stage_prefixes_env() if stage_prefixes is None else stage_prefixes
+        # with packs, off unless asked for: staging maps a burst's prefix page by page into idle
+        # slots, so the packs never serve it (`vattn bench radix`: 3.2x the maps, 5.9x the
+        # access calls of packs alone)
+        wanted = stage_prefixes_env(not cache.config.pack_pages) if stage_prefixes is None else stage_prefixes
         self.staging = bool(wanted) and cache.config.map_ahead_tokens > 0
         self._bursts = PrefixBursts()
         self.defer_mapping = bool(defer_mapping_env(False) if defer_mapping is None else defer_mapping)

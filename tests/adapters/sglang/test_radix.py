@@ -398,3 +398,16 @@ def test_a_burst_on_one_prefix_is_staged_into_idle_slots(stage, monkeypatch):
     settle(e)
     e.cache.wait()
     e.cache.audit()
+
+
+@pytest.mark.parametrize("packs,env,staging", [(False, None, True), (True, None, False),
+                                               (True, "1", True), (False, "0", False)])
+def test_staging_is_off_by_default_with_packs(packs, env, staging, monkeypatch):
+    """Staging maps a burst's prefix page by page into idle slots, so packs would never serve
+    it: with packs it is off unless VATTN_STAGE_PREFIXES=1 asks for it."""
+    if env is None:
+        monkeypatch.delenv("VATTN_STAGE_PREFIXES", raising=False)
+    else:
+        monkeypatch.setenv("VATTN_STAGE_PREFIXES", env)
+    e = Engine(map_ahead=PAGE, packs=packs)
+    assert e.pool.requests.staging is staging
