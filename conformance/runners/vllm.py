@@ -17,8 +17,8 @@ that run, the stock modes leave it unset so they are untouched stock vLLM. Modes
 off (``VATTN_STAGE_PREFIXES``; the GPU runner's default: off); ``vattn:p1024`` with 1,024 MiB
 for packs of shared runs, ``vattn:p0`` without packs (``VATTN_PACK_MB``; the GPU runner's
 default: 1,024 with prefix caching on); ``vattn:d0`` / ``vattn:d1`` with a step's VMM calls made
-before the forward / deferred into it (``VATTN_DEFER_MAPPING``; the GPU runner's default: off,
-``d1`` turns it on where the engine's graphs allow it). Variants combine: ``vattn:g2:p0``.
+before the forward / deferred into it (``VATTN_DEFER_MAPPING``; the GPU runner's default: on
+where the engine's graphs allow it). Variants combine: ``vattn:g2:p0``.
 """
 
 from __future__ import annotations

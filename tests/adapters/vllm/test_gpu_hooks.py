@@ -101,6 +101,23 @@ def test_initialize_binds_views_and_restores_names(fake_module):
         rt.current()
 
 
+@pytest.mark.parametrize("env,graphs,on", [(None, "NONE", True), ("0", "NONE", False), ("1", "FULL", True),
+                                           (None, "PIECEWISE", False)])
+def test_deferred_mapping_is_on_by_default(fake_module, monkeypatch, env, graphs, on):
+    """The GPU runner defers a step's VMM calls into the forward unless VATTN_DEFER_MAPPING=0,
+    where the engine's graphs let the backend make them layer by layer (not when piecewise graphs
+    capture the KV ops: then it stays off whatever the variable says)."""
+    if env is None:
+        monkeypatch.delenv("VATTN_DEFER_MAPPING", raising=False)
+    else:
+        monkeypatch.setenv("VATTN_DEFER_MAPPING", env)
+    runner = _runner()
+    runner.vllm_config.compilation_config = SimpleNamespace(cudagraph_mode=SimpleNamespace(name=graphs),
+                                                            splitting_ops=[])
+    gpu_hooks._wrap_init(_fake_initialize(fake_module, {}), fake_module)(runner, _kv_config())
+    assert rt.current().defer_mapping is on
+
+
 def test_initialize_refuses_before_allocating(fake_module):
     with pytest.raises(ConfigError, match="CUSTOM"):
         gpu_hooks._wrap_init(_fake_initialize(fake_module, {}), fake_module)(_runner("FLASH_ATTN"), _kv_config())
