@@ -45,6 +45,8 @@ class AddressSpace:
                               f"{exc}") from exc
         self.bases = [self.base + r * self.layout.range_bytes for r in range(self.layout.num_ranges)]
         self.elems = self.driver.view(self.base, self.num_bytes).view(dtype)
+        if self.elems.device.type == "cuda":
+            _load_copy_kernel(dtype, self.elems.device)
 
     def view(self, layer: int, which: str) -> torch.Tensor:
         """K (``which="k"``) or V of ``layer``: ``[max_slots + 1, rows_per_slot, H, D]``, made once."""
@@ -94,3 +96,13 @@ class AddressSpace:
         if self.base is not None:
             self.driver.free_va(self.base, self.num_bytes)
             self.base = None
+
+
+def _load_copy_kernel(dtype: torch.dtype, device: torch.device) -> None:
+    """Launch one strided 2-D copy of ``dtype`` (the kind :meth:`AddressSpace.copy_set` makes) on
+    scratch memory, so its kernel is loaded at start rather than in the first engine step that
+    copies a page-set. That step waited 50-60 ms with its CPU idle (step trace, H100,
+    2026-12-07), as a kernel loaded on its first launch does under CUDA's lazy module loading:
+    the likely cause, not yet confirmed by a trace with this warm-up."""
+    scratch = torch.zeros((2, 64), dtype=dtype, device=device)
+    scratch.as_strided((2, 16), (64, 1), 32).copy_(scratch.as_strided((2, 16), (64, 1), 0))
