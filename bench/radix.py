@@ -28,7 +28,7 @@ from .. import argtypes
 from ..core.errors import ConfigError, UnsupportedError
 from .report import command_line, write_section
 
-__all__ = ["add_arguments", "run", "Replay"]
+__all__ = ["add_arguments", "run", "Replay", "decode_slots"]
 
 #: the 1B-class shape's layer count and layer group (16 layers, G=4: 4 VA ranges); the host
 #: backend's page holds 256 tokens of one KV head of 8 fp16 values per layer of the group
@@ -207,17 +207,10 @@ class Replay:
         self._forward(ForwardMode.EXTEND, reqs, prefixes, seqs, loc, "extend")
 
     def _decode(self, reqs) -> None:
-        from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_decode
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
         for req in reqs:
             req.output_ids.append(1 + len(req.output_ids) % 31000)
-        seqs = [len(r.get_fill_ids()) for r in reqs]
-        rows = _ints([r.req_pool_idx for r in reqs])
-        last = self.r2t.req_to_token[rows, _ints(seqs) - 2].long()
-        loc = alloc_paged_token_slots_decode(self.tree, _ints(seqs), _ints(seqs), last)
-        for req, s, x in zip(reqs, seqs, loc.tolist()):
-            self.r2t.write((req.req_pool_idx, s - 1), x)
-            req.kv_committed_len = s
+        seqs, loc = decode_slots(self.tree, self.r2t, reqs)
         self._forward(ForwardMode.DECODE, reqs, [s - 1 for s in seqs], seqs, loc, "decode")
 
     def _forward(self, mode, reqs, prefixes, seqs, loc, kind: str) -> None:
@@ -241,6 +234,21 @@ class Replay:
         self.spent["first_range"] += t2 - t1
         self.spent["issue"] += t3 - t1
         self.cache.wait()                               # the worker finishes while the device computes
+
+
+def decode_slots(tree, r2t, reqs) -> tuple:
+    """SGLang's decode allocation for ``reqs`` (each with its new token appended): one slot each
+    from SGLang's own allocation function, written into ``req_to_token``; returns the sequence
+    lengths and ``out_cache_loc``."""
+    from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_decode
+    seqs = [len(r.get_fill_ids()) for r in reqs]
+    rows = _ints([r.req_pool_idx for r in reqs])
+    last = r2t.req_to_token[rows, _ints(seqs) - 2].long()
+    loc = alloc_paged_token_slots_decode(tree, _ints(seqs), _ints(seqs), last)
+    for req, s, x in zip(reqs, seqs, loc.tolist()):
+        r2t.write((req.req_pool_idx, s - 1), x)
+        req.kv_committed_len = s
+    return seqs, loc
 
 
 def _phases(rows) -> dict:

@@ -17,8 +17,7 @@ from types import SimpleNamespace
 
 import torch
 from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.mem_cache.allocation import (alloc_paged_token_slots_decode,
-                                             alloc_paged_token_slots_extend)
+from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
@@ -29,6 +28,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from vattn.adapters.sglang.allocator import VattnTokenAllocator
 from vattn.adapters.sglang.backend import VattnAttnBackend
 from vattn.adapters.sglang.pool import VattnMHATokenToKVPool, make_cache
+from vattn.bench.radix import decode_slots
 
 L, HQ, HK, D, PAGE = 2, 4, 2, 32, 16
 #: bytes of one token in one range (K and V of one layer, fp32): a page-set of PAGE tokens
@@ -129,13 +129,7 @@ class Engine:
         """One new token for each request."""
         for req in reqs:
             req.output_ids.append(token + len(req.output_ids))
-        seqs = [len(r.get_fill_ids()) for r in reqs]
-        rows = _ints([r.req_pool_idx for r in reqs])
-        last = self.r2t.req_to_token[rows, _ints(seqs) - 2].long()
-        loc = alloc_paged_token_slots_decode(self.tree, _ints(seqs), _ints(seqs), last)
-        for req, s, x in zip(reqs, seqs, loc.tolist()):
-            self.r2t.write((req.req_pool_idx, s - 1), x)
-            req.kv_committed_len = s
+        seqs, loc = decode_slots(self.tree, self.r2t, reqs)
         self._forward(ForwardMode.DECODE, reqs, [s - 1 for s in seqs], seqs, loc)
 
     def unfinished(self, req) -> None:
