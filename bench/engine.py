@@ -225,7 +225,7 @@ def markdown(results: dict, *, hbm_tbps: float | None = None, png: str | None = 
         if gens:
             lines.append(gens)
     for name, report in results["workloads"].items():
-        for line in (variants_line(name, report), hits_line(name, report), work_line(name, report)):
+        for line in (variants_line(name, report, hbm_tbps), hits_line(name, report), work_line(name, report)):
             if line:
                 lines.append(line)
     if any(r.get("pooled") or r.get("paired") or hits_line(n, r) or generations_line(n, r) or rounds_line(n, r)
@@ -290,11 +290,18 @@ def rounds_line(name: str, report: dict) -> str | None:
             f"per round: {each}")
 
 
-def variants_line(name: str, report: dict) -> str | None:
+def variants_line(name: str, report: dict, hbm_tbps: float | None = None) -> str | None:
     """``- name: other modes ...``: each mode run beside stock that is not stock, ceiling or vattn
     (e.g. ``vattn:s0``, prefix staging off; ``vattn:g2``), with its seconds per generation and
-    stock's speed over it per generation, round by round (``MODE@N`` against ``stock@N``)."""
+    stock's speed over it per generation, round by round (``MODE@N`` against ``stock@N``); for
+    decode-heavy also the bytes per second each moved at least, and its share of ``hbm_tbps``."""
     rows = _rows(report)
+    decode = name.split(" (")[0] == "decode-heavy"
+
+    def moved(mode: str) -> str:
+        bw = decode_bandwidth(report, mode) if decode else None
+        return "" if not bw else (f"{bw / 1e12:.2f} TB/s" + (f" = {100 * bw / (hbm_tbps * 1e12):.0f} % of HBM copy"
+                                                             if hbm_tbps else ""))
     cells = []
     for mode, row in rows.items():
         base, _, tag = mode.partition("@")
@@ -305,7 +312,10 @@ def variants_line(name: str, report: dict) -> str | None:
         if not each or len(stock) != len(each) or not all(each):
             continue
         cells.append(f"{mode} {', '.join(f'{t:.2f}' for t in each)} s "
-                     f"({', '.join(f'{s / t:.3f}×' for s, t in zip(stock, each))} stock)")
+                     f"({', '.join(f'{s / t:.3f}×' for s, t in zip(stock, each))} stock"
+                     + (f"; {moved(mode)}" if moved(mode) else "") + ")")
+    if cells and moved("stock"):
+        cells.append(f"stock {moved('stock')}")
     return f"- {name}: other modes per generation: {'; '.join(cells)}" if cells else None
 
 

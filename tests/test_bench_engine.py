@@ -229,6 +229,20 @@ def test_other_modes_are_listed_against_stock_of_their_round():
     assert engine.variants_line("x", _throughput("x", [1, 1, 1, 1], {"stock": 1.0, "vattn": 1.0})) is None
 
 
+def test_other_modes_of_decode_heavy_carry_their_share_of_the_hbm_copy_bandwidth():
+    """Decode-heavy: each other mode (and stock) with the bytes per second it moved at least and
+    that as a share of the measured copy bandwidth, the same lower bound as the table's column."""
+    report = _throughput("decode-heavy", [256, 512, 512, 256], {"stock": 9.0})
+    report["rows"]["stock"]["seconds_each"] = [12.0, 9.0]
+    report["rows"]["vattn:d1"] = {"seconds": 9.5, "seconds_each": [12.2, 9.5]}
+    line = engine.variants_line("decode-heavy", report, 3.0)
+    got = engine.decode_bandwidth(report, "vattn:d1") / 1e12
+    assert f"(0.984×, 0.947× stock; {got:.2f} TB/s = {100 * got / 3.0:.0f} % of HBM copy)" in line
+    assert got == pytest.approx(engine.decode_bandwidth(report, "stock") / 1e12 * 9.0 / 9.5)
+    assert line.endswith(" % of HBM copy") and "; stock " in line
+    assert "TB/s" not in engine.variants_line("shared-prefix", report, 3.0)   # decode-heavy only
+
+
 def test_one_round_or_uneven_generations_give_no_rounds_line():
     one = _throughput("x", [1, 1, 1, 1], {"stock": 1.0, "vattn": 1.0})
     _round(one, "", [1.0, 1.0], [1.0, 1.0])
