@@ -311,11 +311,13 @@ def variants_line(name: str, report: dict, hbm_tbps: float | None = None) -> str
         each = row.get("seconds_each") or []
         if not each or len(stock) != len(each) or not all(each):
             continue
+        share = moved(mode)
         cells.append(f"{mode} {', '.join(f'{t:.2f}' for t in each)} s "
                      f"({', '.join(f'{s / t:.3f}×' for s, t in zip(stock, each))} stock"
-                     + (f"; {moved(mode)}" if moved(mode) else "") + ")")
-    if cells and moved("stock"):
-        cells.append(f"stock {moved('stock')}")
+                     + (f"; {share}" if share else "") + ")")
+    share = moved("stock")
+    if cells and share:
+        cells.append(f"stock {share}")
     return f"- {name}: other modes per generation: {'; '.join(cells)}" if cells else None
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from collections import deque
 from types import SimpleNamespace
@@ -26,9 +25,10 @@ from tqdm import tqdm
 
 from .. import argtypes
 from ..core.errors import ConfigError, UnsupportedError
+from .host_prefix import prompts_for
 from .report import command_line, write_section
 
-__all__ = ["add_arguments", "run", "Replay", "decode_slots"]
+__all__ = ["add_arguments", "run", "Replay", "extend_slots", "decode_slots", "forward_batch"]
 
 #: the 1B-class shape's layer count and layer group (16 layers, G=4: 4 VA ranges); the host
 #: backend's page holds 256 tokens of one KV head of 8 fp16 values per layer of the group
@@ -84,13 +84,6 @@ def _check(args) -> None:
                           f"(--batch {args.batch})")
 
 
-def prompts_for(args) -> list[list[int]]:
-    rng = random.Random(args.seed)
-    shared = [rng.randrange(1, 32000) for _ in range(args.shared)] if args.workload == "shared-prefix" else []
-    return [shared + [rng.randrange(1, 32000) for _ in range(args.prompt - len(shared))]
-            for _ in range(args.batch)]
-
-
 class Replay:
     """SGLang's memory classes over a vattn pool on the host backend, stepped as its scheduler."""
 
@@ -112,7 +105,7 @@ class Replay:
                                 max_requests=args.max_running, max_context=context, device="cpu",
                                 group_size=GROUP, page_bytes=page_bytes, map_ahead_tokens=args.page,
                                 page_budget=(sets + 2) * (LAYERS // GROUP) * page_bytes,
-                                pack_pages=args.pack_mb * 2**20 // page_bytes, pack_sets=_sizes(args.pack_sets))
+                                pack_pages=args.pack_mb * 2**20 // page_bytes, pack_sets=tuple(args.pack_sets))
         self.pool = VattnMHATokenToKVPool.from_cache(self.cache, page_size=args.page)
         self.rows = self.pool.requests
         self.rows.defer_mapping = args.defer_mapping
@@ -189,21 +182,12 @@ class Replay:
         return req
 
     def _extend(self, reqs) -> None:
-        import torch
-        from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
         self.r2t.alloc(reqs)
         prefixes = [len(r.prefix_indices) for r in reqs]
         seqs = [len(r.origin_input_ids) for r in reqs]
         last = [int(r.prefix_indices[-1]) if p else -1 for r, p in zip(reqs, prefixes)]
-        n = sum(s - p for p, s in zip(prefixes, seqs))
-        loc = alloc_paged_token_slots_extend(self.tree, _ints(prefixes), _ints(prefixes), _ints(seqs),
-                                             _ints(seqs), _ints(last), n)
-        for req, p, s, part in zip(reqs, prefixes, seqs, loc.split([s - p for p, s in zip(prefixes, seqs)])):
-            if p:
-                self.r2t.write((req.req_pool_idx, slice(0, p)), req.prefix_indices[:p].to(torch.int32))
-            self.r2t.write((req.req_pool_idx, slice(p, s)), part.to(torch.int32))
-            req.kv_committed_len = s
+        loc = extend_slots(self.tree, self.r2t, reqs, prefixes, seqs, last)
         self._forward(ForwardMode.EXTEND, reqs, prefixes, seqs, loc, "extend")
 
     def _decode(self, reqs) -> None:
@@ -214,14 +198,7 @@ class Replay:
         self._forward(ForwardMode.DECODE, reqs, [s - 1 for s in seqs], seqs, loc, "decode")
 
     def _forward(self, mode, reqs, prefixes, seqs, loc, kind: str) -> None:
-        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-        ext = [s - p for p, s in zip(prefixes, seqs)]
-        fb = ForwardBatch(forward_mode=mode, batch_size=len(reqs), input_ids=_ints([0] * sum(ext)),
-                          req_pool_indices=_ints([r.req_pool_idx for r in reqs]), seq_lens=_ints(seqs),
-                          out_cache_loc=loc, seq_lens_sum=sum(seqs), seq_lens_cpu=_ints(seqs),
-                          extend_num_tokens=sum(ext), extend_prefix_lens=_ints(prefixes),
-                          extend_seq_lens=_ints(ext), extend_prefix_lens_cpu=prefixes,
-                          extend_seq_lens_cpu=ext, rids=[r.rid for r in reqs])
+        fb = forward_batch(mode, reqs, prefixes, seqs, loc)
         t0 = time.perf_counter()
         self.backend.init_forward_metadata(fb)
         t1 = time.perf_counter()
@@ -234,6 +211,36 @@ class Replay:
         self.spent["first_range"] += t2 - t1
         self.spent["issue"] += t3 - t1
         self.cache.wait()                               # the worker finishes while the device computes
+
+
+def extend_slots(tree, r2t, reqs, prefixes: list[int], seqs: list[int], last: list[int]):
+    """SGLang's extend allocation: positions ``prefixes[i] .. seqs[i] - 1`` of each request from
+    SGLang's own allocation function (``last``: each one's last cached slot, -1 for none), its
+    prefix indices and the new slots written into ``req_to_token``; returns ``out_cache_loc``."""
+    import torch
+    from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend
+    n = sum(s - p for p, s in zip(prefixes, seqs))
+    loc = alloc_paged_token_slots_extend(tree, _ints(prefixes), _ints(prefixes), _ints(seqs), _ints(seqs),
+                                         _ints(last), n)
+    for req, p, s, part in zip(reqs, prefixes, seqs, loc.split([s - p for p, s in zip(prefixes, seqs)])):
+        if p:
+            r2t.write((req.req_pool_idx, slice(0, p)), req.prefix_indices[:p].to(torch.int32))
+        r2t.write((req.req_pool_idx, slice(p, s)), part.to(torch.int32))
+        req.kv_committed_len = s
+    return loc
+
+
+def forward_batch(mode, reqs, prefixes: list[int], seqs: list[int], loc, *, rids: bool = True):
+    """SGLang's ``ForwardBatch`` of ``reqs`` (their host-side fields, as its scheduler fills
+    them; ``rids=False``: without request ids)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    ext = [s - p for p, s in zip(prefixes, seqs)]
+    return ForwardBatch(forward_mode=mode, batch_size=len(reqs), input_ids=_ints([0] * sum(ext)),
+                        req_pool_indices=_ints([r.req_pool_idx for r in reqs]), seq_lens=_ints(seqs),
+                        out_cache_loc=loc, seq_lens_sum=sum(seqs), seq_lens_cpu=_ints(seqs),
+                        extend_num_tokens=sum(ext), extend_prefix_lens=_ints(prefixes),
+                        extend_seq_lens=_ints(ext), extend_prefix_lens_cpu=prefixes,
+                        extend_seq_lens_cpu=ext, rids=[r.rid for r in reqs] if rids else None)
 
 
 def decode_slots(tree, r2t, reqs) -> tuple:
@@ -260,10 +267,6 @@ def _ints(xs):
     return torch.tensor(xs, dtype=torch.int64)
 
 
-def _sizes(sizes: tuple[int, ...]) -> int | tuple[int, ...]:
-    return sizes[0] if len(sizes) == 1 else tuple(sizes)
-
-
 def run(args) -> int:
     _check(args)
     from .sglang_cpu import ensure_importable
@@ -273,19 +276,20 @@ def run(args) -> int:
     except ImportError as exc:
         raise UnsupportedError(f"vattn bench radix needs SGLang 0.5.17 importable (its CPU import set: "
                                f"bash tools/engine_env.sh sglang): {exc}") from None
-    prompts = prompts_for(args)
+    prompts = prompts_for(args.workload, batch=args.batch, prompt=args.prompt, shared=args.shared,
+                          seed=args.seed)
     replay = Replay(args)
-    args.stage_prefixes = "on" if replay.rows.staging else "off"     # as it ran, for the report
+    staging = "on" if replay.rows.staging else "off"           # as it ran: the adapter's default or the flag
     try:
         runs = [replay.generation(prompts) for _ in tqdm(range(args.generations), desc="generations", leave=False)]
         replay.cache.audit()
     finally:
         replay.close()
-    md = _markdown(args, runs)
+    md = _markdown(args, runs, staging)
     print(md)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+            json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "staging": staging,
                        "generations": runs}, f, indent=1, default=str)
     if not args.no_report:
         title = (f"SGLang radix replay, {args.workload}, {args.batch} x {args.prompt}/{args.new}"
@@ -295,7 +299,7 @@ def run(args) -> int:
     return 0
 
 
-def _markdown(args, runs: list[dict]) -> str:
+def _markdown(args, runs: list[dict], staging: str) -> str:
     timed = ("extend", "decode", "free", "issue", "first_range")
     head = ("| generation | forwards | cached tokens | " + " | ".join(f"{k} ms" for k in timed) + " | "
             + " | ".join(COUNTED) + " |")
@@ -316,7 +320,7 @@ def _markdown(args, runs: list[dict]) -> str:
             f"{LAYERS} layers in groups of {GROUP}, page-sets of {args.page} tokens = SGLang's page; "
             f"prefill batches of at most {args.chunk} uncached tokens; {args.max_running} request rows; "
             f"a pool of {args.pool_fraction:g}x what the generation needs; map-ahead on, prefix staging "
-            f"{args.stage_prefixes}" + (f"; {args.pack_mb} MiB for packs of {'/'.join(map(str, args.pack_sets))} "
+            f"{staging}" + (f"; {args.pack_mb} MiB for packs of {'/'.join(map(str, args.pack_sets))} "
                                          f"page-sets" if args.pack_mb else "")
             + ("; VMM calls deferred to the forward, made layer by layer (issue: their host ms; "
                "first_range: before layer 0, still on the path)" if args.defer_mapping else "")

@@ -67,6 +67,7 @@ class StepTrace:
         self._origin = time.perf_counter()
         self.header["wall0"] = time.time()    # rows' seconds are since this wall-clock time
         self._open: dict | None = None
+        self._cpu0 = 0.0                      # the open section's thread CPU time at its start
 
     def _now(self) -> float:
         return round(time.perf_counter() - self._origin, 6)
@@ -77,7 +78,8 @@ class StepTrace:
 
     def begin(self) -> None:
         """A section starts (call :meth:`end` when it is over)."""
-        self._open = {"t0": self._now(), "c0": self._counts(), "cpu_ms": time.thread_time()}
+        self._open = {"t0": self._now(), "c0": self._counts()}
+        self._cpu0 = time.thread_time()
         if self.profile is not None:
             self.profile.enable()
 
@@ -93,7 +95,7 @@ class StepTrace:
             return
         # the section's own thread CPU time: host ms well above it were spent waiting (a lock,
         # the GIL, a driver call that sleeps), not computing
-        cpu = round((time.thread_time() - row["cpu_ms"]) * 1e3, 3)
+        cpu = round((time.thread_time() - self._cpu0) * 1e3, 3)
         row |= {"t1": self._now(), "c1": self._counts(), "idle_us": None, "cpu_ms": cpu} | fields
         self.rows.append(row)
 

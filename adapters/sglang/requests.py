@@ -313,8 +313,7 @@ class RowSlots:
         before them; every range with ``None``): from the attention backend before a layer's
         store and attention, and before a CUDA-graph replay. Cheap when none wait; a failed
         call is final (:class:`~vattn.core.deferred.DeferredCallError`)."""
-        if self.cache.calls_queued:
-            self.cache.issue(layer)
+        self.cache.issue(layer)
 
     def _prepare(self, rows, seq_lens, prefix_lens, rids) -> np.ndarray:
         start = time.perf_counter()

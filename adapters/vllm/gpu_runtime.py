@@ -229,8 +229,7 @@ class GpuRuntime:
     def ready(self, layer: int | None = None) -> None:
         """Make the VMM calls :meth:`apply` deferred for the ranges ``layer`` reads (and those
         before them; every range with ``None``). Cheap when none wait."""
-        if self.cache.calls_queued:
-            self.cache.issue(layer)             # a failure is final: no retry
+        self.cache.issue(layer)                 # a failure is final: no retry
 
     def release(self, index: int) -> None:
         """Request ``index`` left (finished, aborted or preempted): release its slot, fenced."""

@@ -17,18 +17,17 @@ from types import SimpleNamespace
 
 import torch
 from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from vattn.adapters.sglang.allocator import VattnTokenAllocator
 from vattn.adapters.sglang.backend import VattnAttnBackend
 from vattn.adapters.sglang.pool import VattnMHATokenToKVPool, make_cache
-from vattn.bench.radix import decode_slots
+from vattn.bench.radix import decode_slots, extend_slots, forward_batch
 
 L, HQ, HK, D, PAGE = 2, 4, 2, 32, 16
 #: bytes of one token in one range (K and V of one layer, fp32): a page-set of PAGE tokens
@@ -113,16 +112,7 @@ class Engine:
         seqs = upto or [len(r.get_fill_ids()) for r in reqs]
         rows = [r.req_pool_idx for r in reqs]
         last = [int(self.r2t.req_to_token[r, p - 1]) if p else -1 for r, p in zip(rows, prefixes)]
-        t = _ints
-        n = sum(s - p for p, s in zip(prefixes, seqs))
-        loc = alloc_paged_token_slots_extend(self.tree, t(prefixes), t(prefixes), t(seqs), t(seqs),
-                                             t(last), n)
-        for req, p, s, part in zip(reqs, prefixes, seqs,
-                                   loc.split([s - p for p, s in zip(prefixes, seqs)])):
-            if p:
-                self.r2t.write((req.req_pool_idx, slice(0, p)), req.prefix_indices[:p].to(torch.int32))
-            self.r2t.write((req.req_pool_idx, slice(p, s)), part.to(torch.int32))
-            req.kv_committed_len = s
+        loc = extend_slots(self.tree, self.r2t, reqs, prefixes, seqs, last)
         self._forward(ForwardMode.EXTEND, reqs, prefixes, seqs, loc)
 
     def decode(self, reqs, token=7) -> None:
@@ -151,15 +141,7 @@ class Engine:
 
     # -- forward and checks ------------------------------------------------------------------------
     def _forward(self, mode, reqs, prefixes, seqs, loc) -> None:
-        ext = [s - p for p, s in zip(prefixes, seqs)]
-        t = _ints
-        fb = ForwardBatch(forward_mode=mode, batch_size=len(reqs), input_ids=t([0] * sum(ext)),
-                          req_pool_indices=t([r.req_pool_idx for r in reqs]), seq_lens=t(seqs),
-                          out_cache_loc=loc, seq_lens_sum=sum(seqs), seq_lens_cpu=t(seqs),
-                          extend_num_tokens=sum(ext), extend_prefix_lens=t(prefixes),
-                          extend_seq_lens=t(ext), extend_prefix_lens_cpu=prefixes,
-                          extend_seq_lens_cpu=ext,
-                          rids=[r.rid for r in reqs] if self.rids else None)
+        fb = forward_batch(mode, reqs, prefixes, seqs, loc, rids=self.rids)
         if self.graph_runner is not None and mode.is_decode():
             fb = self.graph_runner.load_batch(fb)
         else:
@@ -227,7 +209,3 @@ class GraphRunner:
                                     forward_batch.forward_mode, False)
         self.attn_backend.init_forward_metadata_out_graph(view)
         return view
-
-
-def _ints(xs) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int64)
