@@ -37,6 +37,15 @@ class Binding:
 
     def __init__(self, state: CacheState, growth: Growth, loose: LooseSets, space: AddressSpace):
         self.state, self.growth, self.loose, self.space = state, growth, loose, space
+        #: fresh key -> the cached key whose block was moved out of its page-set in this engine
+        #: step (the bytes there are still that block's): a copy-on-write between the two is
+        #: already done (see :meth:`copy`); cleared at every :meth:`new_step`
+        self.twins: dict = {}
+        self.pending_twin = None   # _fresh_set -> _bind_fresh: the key moved out, bytes intact
+
+    def new_step(self) -> None:
+        """An engine step's binds begin: what earlier steps moved out may have been written since."""
+        self.twins.clear()
 
     def bind(self, slot: int, start: int, keys: list, hits: int) -> bool:
         """:meth:`VirtualKVCache.bind` with checked arguments."""
@@ -123,11 +132,14 @@ class Binding:
             held.drop(key)
             if home is not None and home != (slot, index):
                 self.loose.add([home])
+        self.twins.pop(key, None)
         cur = self._fresh_set(slot, index, end)
         if cur is None:
             return False
         st.pool.rewrite(cur)                          # new content: packs of the old go stale
         held.bind(key, cur, (slot, index))
+        if self.pending_twin is not None:
+            self.twins[key] = self.pending_twin
         st.counters.keys_bound += 1
         return True
 
@@ -143,16 +155,21 @@ class Binding:
             if not self.growth.grow(slot, index + 1, {slot: index + 1}, False)[0]:
                 return None
             cur = pages.at(slot, index)
+        moved = None
         if any(pages.bound[p] for p in cur):          # another block's content: keep it (also when
             #                                           growing re-granted access to a hit whose
             #                                           access call failed, or a remap failed
             #                                           half-way and left one range's page bound)
+            moved = st.keys.key_of.get(cur[0])
             if not self._move_out(slot, index, cur, end):  # then map new pages here
+                moved = None
                 cur = self._replace(slot, index, cur)
                 if cur is None:
                     return None
+        scrubbed = False
         for rng in range(len(cur)):                   # pages of another tenant are scrubbed first
-            pages.scrub_pages(slot, rng, (index,), st.slots.tenant[slot])
+            scrubbed |= pages.scrub_pages(slot, rng, (index,), st.slots.tenant[slot])
+        self.pending_twin = None if scrubbed else moved
         return cur
 
     def _replace(self, slot: int, index: int, cur: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -190,6 +207,9 @@ class Binding:
         if to is None:
             raise SlotError(f"block key {dst!r} is not mapped where it was bound: bind it (fresh) "
                             "in the request that writes it before copying into it")
+        if self.twins.get(dst) == src:                # src was moved out of dst's pages this step:
+            st.counters.copies_elided += 1            # its bytes are still there
+            return True
         at = self._mapped_at(src, sets[0])
         if at is None:                                # mapped nowhere known: map it on top of a slot
             at = self._park(src, sets[0], avoid=to[0])

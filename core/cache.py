@@ -343,6 +343,11 @@ class VirtualKVCache:
         DriverError
             A VMM call failed; the record stays exact and the call can be retried.
         """
+        with self._cond:
+            self._binding.new_step()
+        return self._bind(slot, start, keys, hits)
+
+    def _bind(self, slot: int, start: int, keys, hits: int) -> bool:
         self._check_active(slot)
         keys = list(keys)
         check_bind(start, keys, hits, self.layout.pages_per_slot)
@@ -364,10 +369,12 @@ class VirtualKVCache:
         """
         pending = [(slot, start, list(keys), hits) for slot, start, keys, hits in items]
         failed: list[int] = []
+        with self._cond:
+            self._binding.new_step()
         while pending:
             wait = hits_waiting(pending)
             for (slot, start, keys, hits), later in zip(pending, wait):
-                if not later and not self.bind(slot, start, keys, hits=hits):
+                if not later and not self._bind(slot, start, keys, hits):
                     failed.append(slot)
             pending = [item for item, later in zip(pending, wait) if later]
         return failed

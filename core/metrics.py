@@ -65,6 +65,7 @@ class Counters:
     prefix_hits: int = 0              # bind(): page-sets taken from a key (hits), mapped or in place
     page_sets_moved: int = 0          # bind(): a cached block copied out of a position a new one takes
     blocks_copied: int = 0            # copy_block(): a block's KV copied into another's (copy-on-write)
+    copies_elided: int = 0            # copy_block(): dst's pages still held src's block (moved out this step)
     page_sets_staged: int = 0         # stage_prefix(): a shared page-set mapped into an idle slot ahead
     warm_hits: int = 0                # acquire() reused a slot with pages mapped
     packs_built: int = 0              # shared runs copied into one allocation per range (.packs)

@@ -378,9 +378,10 @@ class SlotPages(PackRuns):
         policy, tag = self.cfg.scrub, self.pool.tenant[pid]
         return policy == "always" or (policy == "tenant" and tag is not tenant and tag != tenant)
 
-    def scrub_pages(self, slot: int, rng: int, indices, tenant) -> None:
-        """Zero the listed accessible pages whose tenant differs (policy permitting); tag them."""
-        pages = self.mapped[slot][rng]
+    def scrub_pages(self, slot: int, rng: int, indices, tenant) -> bool:
+        """Zero the listed accessible pages whose tenant differs (policy permitting); tag them.
+        Returns whether any page was zeroed."""
+        pages, zeroed = self.mapped[slot][rng], False
         for i in indices:
             pid = pages[i]
             if self.bound[pid]:                 # shared content: never scrubbed, never retagged
@@ -395,7 +396,9 @@ class SlotPages(PackRuns):
                     self.driver.touch((pid,), rng)
                 self.driver.zero(self.va(rng, slot, i), self.layout.page_bytes)
                 self.counters.pages_scrubbed += 1
+                zeroed = True
             self.pool.tenant[pid] = tenant
+        return zeroed
 
     def retag(self, slot: int, tenant) -> None:
         """Hand every accessible page of ``slot`` to ``tenant`` (scrubbing per policy)."""

@@ -295,8 +295,8 @@ def test_bind_many_binds_a_hit_after_the_request_that_gets_its_block_fresh(cache
     a, b = cache.acquire(), cache.acquire()
     cache.bind(a, 0, ["g0"])
     calls = []
-    bind = cache.bind
-    cache.bind = lambda slot, start, keys, hits=0: calls.append(slot) or bind(slot, start, keys, hits=hits)
+    bind = cache._bind
+    cache._bind = lambda slot, start, keys, hits: calls.append(slot) or bind(slot, start, keys, hits)
     # b is listed first and hits g1, which a is given fresh in the same step
     assert cache.bind_many([(b, 0, ["g0", "g1", "h2"], 2), (a, 1, ["g1"], 0)]) == []
     assert calls == [a, b]
@@ -348,7 +348,8 @@ def test_copy_on_write_gives_the_request_its_own_copy_and_leaves_the_cached_bloc
     fill(cache, a, 0, T, 4)
     fill(cache, a, T, 2 * T, 6)
     cache.release(a)
-    b = cache.acquire(prefix=["c0"])
+    b = cache.acquire()
+    b = b if b != a else cache.acquire()                  # not where c1 sits: a real copy
     assert cache.bind(b, 0, ["c0", "x1"], hits=1)
     assert cache.copy_block("c1", "x1")
     assert same(cache, b, 0, T, 4) and same(cache, b, T, 2 * T, 6)
@@ -358,6 +359,60 @@ def test_copy_on_write_gives_the_request_its_own_copy_and_leaves_the_cached_bloc
     c = cache.acquire()
     assert cache.bind(c, 0, ["c0", "c1"], hits=2)         # the cached block is as it was
     assert same(cache, c, T, 2 * T, 6) and same(cache, b, T, T + T // 2, 6)
+
+
+def _cow_in_place(cache, tenant=None) -> tuple[int, int]:
+    """Blocks c0, c1 written by a request that left; the next one (``tenant``) returns to its
+    slot, hits c0 and gets x1 fresh where c1 sits (c1 is moved out), then copies c1 into x1
+    (vLLM's copy-on-write of a partial hit): ``(its slot, the moved c1's slot)``."""
+    a = cache.acquire()
+    assert cache.bind(a, 0, ["c0", "c1"])
+    fill(cache, a, 0, T, 4)
+    fill(cache, a, T, 2 * T, 6)
+    cache.release(a)
+    b = cache.acquire(prefix=["c0"], tenant=tenant)
+    assert b == a and cache.bind_many([(b, 0, ["c0", "x1"], 1)]) == []
+    assert cache.metrics()["page_sets_moved"] == 1
+    assert cache.copy_block("c1", "x1")
+    return b, cache._state.keys.home["c1"][0]
+
+
+def test_a_copy_on_write_from_the_block_just_moved_out_of_the_same_pages_is_not_made(cache):
+    """The request's fresh x1 took the pages c1 was moved out of in the same engine step: they
+    hold c1's bytes still, so the copy-on-write is already done (no second device copy)."""
+    b, _ = _cow_in_place(cache)
+    m = cache.metrics()
+    assert m["copies_elided"] == 1 and m["blocks_copied"] == 0
+    assert same(cache, b, 0, T, 4) and same(cache, b, T, 2 * T, 6)
+    fill(cache, b, T + T // 2, 2 * T, 9)                  # the request writes its copy ...
+    c = cache.acquire()
+    assert cache.bind(c, 0, ["c0", "c1"], hits=2)         # ... never the cached block
+    assert same(cache, c, T, 2 * T, 6) and same(cache, b, T, T + T // 2, 6)
+
+
+def test_a_copy_on_write_into_pages_scrubbed_for_another_tenant_is_made(cache):
+    """The returning request is another tenant's: x1's pages were zeroed after c1 moved out,
+    so the copy is made."""
+    b, _ = _cow_in_place(cache, tenant="t2")
+    m = cache.metrics()
+    assert m["copies_elided"] == 0 and m["blocks_copied"] == 1 and m["pages_scrubbed"] > 0
+    assert same(cache, b, T, 2 * T, 6)
+
+
+def test_a_copy_on_write_in_a_later_step_than_the_move_is_made(cache):
+    """Between the step that moved c1 out and the copy, the request may have written its pages:
+    the twin is forgotten at the next step's binds."""
+    a = cache.acquire()
+    assert cache.bind(a, 0, ["c0", "c1"])
+    fill(cache, a, 0, 2 * T, 6)
+    cache.release(a)
+    b = cache.acquire(prefix=["c0"])
+    assert cache.bind_many([(b, 0, ["c0", "x1"], 1)]) == []
+    fill(cache, b, T, 2 * T, 2)                           # the step's forward wrote x1
+    d = cache.acquire()
+    assert cache.bind_many([(d, 0, ["z0"], 0)]) == []     # the next step
+    assert cache.copy_block("c1", "x1")
+    assert cache.metrics()["blocks_copied"] == 1 and same(cache, b, T, 2 * T, 6)
 
 
 def _cached_then_unmapped(cache, value) -> int:
