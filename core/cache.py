@@ -243,6 +243,7 @@ class VirtualKVCache:
             failed = self._growth.ensure(slots, lens)
             if self._pages.packs is not None:
                 self._pages.packs.next_step()   # the engine's step is prepared: its forward next
+            self._state.seal_fence()            # the step's copy-on-write copies
         self._counters.ensure_us.observe((time.perf_counter() - start) * 1e6)
         return failed
 
@@ -345,7 +346,11 @@ class VirtualKVCache:
         """
         with self._cond:
             self._binding.new_step()
-        return self._bind(slot, start, keys, hits)
+        try:
+            return self._bind(slot, start, keys, hits)
+        finally:
+            with self._cond:
+                self._state.seal_fence()
 
     def _bind(self, slot: int, start: int, keys, hits: int) -> bool:
         self._check_active(slot)
@@ -371,12 +376,16 @@ class VirtualKVCache:
         failed: list[int] = []
         with self._cond:
             self._binding.new_step()
-        while pending:
-            wait = hits_waiting(pending)
-            for (slot, start, keys, hits), later in zip(pending, wait):
-                if not later and not self._bind(slot, start, keys, hits):
-                    failed.append(slot)
-            pending = [item for item, later in zip(pending, wait) if later]
+        try:
+            while pending:
+                wait = hits_waiting(pending)
+                for (slot, start, keys, hits), later in zip(pending, wait):
+                    if not later and not self._bind(slot, start, keys, hits):
+                        failed.append(slot)
+                pending = [item for item, later in zip(pending, wait) if later]
+        finally:
+            with self._cond:
+                self._state.seal_fence()           # one fence for the step's moves
         return failed
 
     def claim(self, slot: int, index: int) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,38 +44,34 @@ class KVLayout:
     split_kv: bool
     page_bytes: int
 
+    #: derived once (the page arithmetic runs in every bind and growth): bytes of one token in
+    #: one range; VA ranges; ``R``, the bytes one slot owns in every range; token rows and pages
+    #: per slot
+    token_bytes: int = field(init=False, repr=False, compare=False)
+    num_ranges: int = field(init=False, repr=False, compare=False)
+    region_bytes: int = field(init=False, repr=False, compare=False)
+    rows_per_slot: int = field(init=False, repr=False, compare=False)
+    pages_per_slot: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        per_layer = 1 if self.split_kv else 2
+        token = self.group_size * per_layer * self.num_kv_heads * self.head_dim * self.element_bytes
+        step = math.lcm(self.page_bytes, token)
+        region = -(-self.max_context * token // step) * step
+        for name, value in (("token_bytes", token),
+                            ("num_ranges", self.num_layers // self.group_size * (2 if self.split_kv else 1)),
+                            ("region_bytes", region), ("rows_per_slot", region // token),
+                            ("pages_per_slot", region // self.page_bytes)):
+            object.__setattr__(self, name, value)
+
     @classmethod
     def from_config(cls, cfg, page_bytes: int) -> "KVLayout":
         return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, _itemsize(cfg.dtype),
                    cfg.max_slots, cfg.max_context, cfg.group_size, cfg.split_kv, page_bytes)
 
     @property
-    def token_bytes(self) -> int:
-        """Bytes of one token in one range."""
-        per_layer = 1 if self.split_kv else 2
-        return self.group_size * per_layer * self.num_kv_heads * self.head_dim * self.element_bytes
-
-    @property
     def row_elems(self) -> int:
         return self.token_bytes // self.element_bytes
-
-    @property
-    def num_ranges(self) -> int:
-        return self.num_layers // self.group_size * (2 if self.split_kv else 1)
-
-    @property
-    def region_bytes(self) -> int:
-        """``R``: bytes one slot owns in every range."""
-        step = math.lcm(self.page_bytes, self.token_bytes)
-        return -(-self.max_context * self.token_bytes // step) * step
-
-    @property
-    def rows_per_slot(self) -> int:
-        return self.region_bytes // self.token_bytes
-
-    @property
-    def pages_per_slot(self) -> int:
-        return self.region_bytes // self.page_bytes
 
     @property
     def num_va_slots(self) -> int:

@@ -18,7 +18,7 @@ from .metrics import Counters
 from .pages import PagePool
 from .paging import SlotPages
 
-__all__ = ["SlotTable", "CacheState"]
+__all__ = ["SlotTable", "CacheState", "SharedFence"]
 
 
 class SlotTable:
@@ -59,6 +59,7 @@ class CacheState:
         self.pool, self.pages, self.keys, self.counters = pool, pages, keys, counters
         self.cond = cond
         self.slots = SlotTable(layout)
+        self._copy_fence: SharedFence | None = None   # the copies' fence not recorded yet
 
     def settle(self, slot: int) -> None:
         """Wait until the map-ahead worker is not mapping into ``slot`` (it appends at the top;
@@ -78,16 +79,26 @@ class CacheState:
     def copied(self, *places: tuple[int, int]) -> None:
         """A device copy reading or writing page-sets at ``places`` (``(slot, index)`` each) was
         just queued on the current stream: each slot gets a fence recorded after it (it
-        replaces the slot's fence, recorded earlier on the same stream), so the pages there are
+        replaces the slot's fence, recorded earlier on the same stream; the copies until
+        :meth:`seal_fence` share one, a :class:`SharedFence`), so the pages there are
         not unmapped or replaced (reclaim, a bind) before the device ran the copy — on a GPU
         under async scheduling, it runs after the forward in flight. Not for a page-set a
         running request reads: it stays mapped until its release, which records a later fence."""
-        fence, table = None, self.slots
+        table = self.slots
         for slot, index in places:
             if table.active[slot] and index < table.num_read_sets(slot):
                 continue
-            fence = self.driver.record_fence() if fence is None else fence
-            table.fence[slot] = fence
+            if self._copy_fence is None or self._copy_fence.recorded:
+                self._copy_fence = SharedFence(self.driver)
+            table.fence[slot] = self._copy_fence
+
+    def seal_fence(self) -> None:
+        """Record the fence the copies queued since the last call share (one event for a
+        step's copies rather than one each; it would be recorded at its first ``done`` or
+        ``wait`` anyway)."""
+        if self._copy_fence is not None:
+            self._copy_fence.record()
+            self._copy_fence = None
 
     def wait_fence(self, slot: int) -> None:
         """Wait until the device is done with what ``slot``'s previous request read."""
@@ -95,3 +106,30 @@ class CacheState:
         if fence is not None and not fence.done():
             self.counters.fence_waits += 1
             fence.wait()
+
+
+class SharedFence:
+    """A fence several copies share, recorded once (by :meth:`CacheState.seal_fence`, or at
+    its first :meth:`done` / :meth:`wait`): recorded after all of them, so it completes after
+    each. A copy queued once it is recorded gets a new one."""
+
+    __slots__ = ("driver", "fence")
+
+    def __init__(self, driver):
+        self.driver, self.fence = driver, None
+
+    @property
+    def recorded(self) -> bool:
+        return self.fence is not None
+
+    def record(self) -> None:
+        if self.fence is None:
+            self.fence = self.driver.record_fence()
+
+    def done(self) -> bool:
+        self.record()
+        return self.fence.done()
+
+    def wait(self) -> None:
+        self.record()
+        self.fence.wait()

@@ -508,3 +508,28 @@ def test_with_every_slot_active_and_full_the_copy_borrows_a_page_set_no_request_
         assert cache.bind(f, 0, ["c0", "c1"], hits=2)      # c1 still holds its content
         assert same(cache, f, T, 2 * T, 2)
         cache.audit()
+
+
+def test_the_moves_of_one_step_share_one_fence_recorded_after_them(cache):
+    """Two requests back in their slots each move a cached block out (one device copy each):
+    the slots get one fence, recorded once, after both copies; a copy queued later gets its own."""
+    slots = []
+    for n in range(2):
+        s = cache.acquire()
+        assert cache.bind(s, 0, [f"a{n}", f"b{n}"])
+        fill(cache, s, 0, 2 * T, n + 1)
+        slots.append(s)
+    for s in slots:
+        cache.release(s)
+    back = [cache.acquire(prefix=[f"a{n}"]) for n in range(2)]
+    assert back == slots
+    drv = cache._state.driver
+    recorded, record = [], drv.record_fence
+    drv.record_fence = lambda: recorded.append(1) or record()
+    assert cache.bind_many([(s, 0, [f"a{n}", f"x{n}"], 1) for n, s in enumerate(back)]) == []
+    assert cache.metrics()["page_sets_moved"] == 2 and len(recorded) == 1
+    fences = {id(cache._state.slots.fence[s]) for s in back}
+    assert len(fences) == 1 and cache._state.slots.fence[back[0]].recorded
+    c = cache.acquire()
+    assert cache.bind(c, 0, ["a0", "b0"], hits=2)          # the moved blocks still read back
+    assert same(cache, c, T, 2 * T, 1)
