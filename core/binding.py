@@ -148,7 +148,7 @@ class Binding:
         for the slot's tenant (``None``: the pool ran short)."""
         st = self.state
         pages = st.pages
-        if pages.at(slot, index) is not None:         # a pack maps there: its own pages first
+        if index < pages.usable(slot):                # a pack maps there: its own pages first
             self._unpack_for_write(slot, index)
         cur = pages.at(slot, index)
         if cur is None:                               # the next page-set: map it from the pool

@@ -174,7 +174,9 @@ class PackRuns:
 
     def packed_at(self, slot: int, index: int) -> bool:
         """Whether a pack maps position ``index`` of ``slot`` in some range."""
-        return any(self._span(slot, rng, index) is not None for rng in range(len(self.bases)))
+        if self.packs is None or not self.packs.spans:
+            return False
+        return any(self.packs.span(slot, rng, index) is not None for rng in range(len(self.bases)))
 
     def unpack_at(self, slot: int, index: int) -> None:
         """Map position ``index`` of ``slot`` to its own pages in every range (a pack run there

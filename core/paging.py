@@ -351,8 +351,10 @@ class SlotPages(PackRuns):
     def grant(self, slot: int) -> None:
         """Grant access to every mapped page of ``slot`` that lacks it (one call per range that
         has such pages)."""
-        for rng in range(len(self.bases)):
-            self._restore_access(slot, rng)
+        accessible = self.num_accessible[slot]
+        for rng, pages in enumerate(self.mapped[slot]):
+            if accessible[rng] < len(pages):
+                self._restore_access(slot, rng)
         self.refresh(slot)
 
     def _restore_access(self, slot: int, rng: int) -> int:
