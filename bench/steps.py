@@ -50,7 +50,8 @@ def load_trace(path: str) -> dict:
 
 
 def _modes_by_pid(results: str) -> dict[int, str]:
-    """``{engine pid: mode}`` from the engine logs (``vllm_<workload>_<mode>.log``)."""
+    """``{engine pid: mode}`` from vLLM's engine logs (``vllm_<workload>_<mode>.log``; SGLang's
+    traces carry their mode in the header)."""
     found = {}
     for log in glob.glob(os.path.join(results, "logs", "*.log")):
         mode = os.path.basename(log)[:-4].split("_", 2)[-1]
@@ -64,11 +65,18 @@ def _modes_by_pid(results: str) -> dict[int, str]:
 
 
 def _rows(results: str) -> dict[str, dict]:
-    """``{mode: row}`` of the throughput stages' JSONs in ``results``."""
+    """``{mode: row}`` of the throughput stages' JSONs in ``results`` (vLLM's
+    ``throughput_*.json`` rows, SGLang's ``<stage>.json`` modes)."""
     out = {}
-    for path in glob.glob(os.path.join(results, "throughput_*.json")):
+    for path in glob.glob(os.path.join(results, "*.json")):
         with open(path) as f:
-            out |= json.load(f).get("rows") or {}
+            try:
+                stage = json.load(f)
+            except json.JSONDecodeError:
+                continue
+        if isinstance(stage, dict):
+            found = stage.get("rows") if os.path.basename(path).startswith("throughput_") else stage.get("modes")
+            out |= found if isinstance(found, dict) else {}
     return out
 
 

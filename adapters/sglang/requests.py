@@ -41,9 +41,11 @@ from operator import itemgetter
 import numpy as np
 import torch
 
+from vattn.core import step_trace
 from vattn.core.config import DRIVER_RETRIES_ENV, driver_retries
 from vattn.core.config import defer_mapping as defer_mapping_env
 from vattn.core.config import stage_prefixes as stage_prefixes_env
+from vattn.core.device_wait import DeviceWait
 from vattn.core.errors import ConfigError, DriverRetry, SlotError, VattnError
 from vattn.core.metrics import Histogram
 from vattn.core.staging import PrefixBursts
@@ -138,6 +140,12 @@ class RowSlots:
         self.phase_ms = {mode: dict.fromkeys(PHASES, 0.0) for mode in ("extend", "decode")}
         self.on_idle = None                          # called when the last running request leaves
         self.on_step = None                          # called after each forward's preparation
+        #: ``$VATTN_STEP_TRACE``: one row per forward's preparation (host ms, the device's idle
+        #: ms behind it, requests admitted, driver calls), written whenever the engine goes idle
+        self.trace = step_trace.from_env(lambda: cache.counters)
+        cuda = torch.device(cache.config.torch_device).type == "cuda"
+        self.device_wait = DeviceWait(self.trace is not None and cuda,
+                                      sink=None if self.trace is None else self.trace.idle)
 
     # -- wiring ------------------------------------------------------------------------------------
     def attach(self, req_to_token_pool) -> None:
@@ -205,8 +213,11 @@ class RowSlots:
         held = self._held.pop(int(self.slot_of[row]), None)
         if held:
             self.return_pages(np.asarray(held, dtype=np.int64))
-        if len(self._departed) == len(self._row_of) and self.on_idle is not None:
-            self.on_idle()                           # the last running request left
+        if len(self._departed) == len(self._row_of):  # the last running request left
+            if self.trace is not None:
+                self.trace.write()
+            if self.on_idle is not None:
+                self.on_idle()
 
     def on_free_pages(self, ids: np.ndarray) -> np.ndarray:
         """SGLang freed page ids ``ids``: forget their keys; returns the ids SGLang may hand out
@@ -305,8 +316,19 @@ class RowSlots:
         """
         if self.req_to_token is None:
             raise ConfigError("RowSlots.prepare before attach(req_to_token_pool)")
-        with self.cache.deferred() if self.defer_mapping else contextlib.nullcontext():
-            return self._prepare(rows, seq_lens, prefix_lens, rids)
+        if self.trace is None:
+            with self.cache.deferred() if self.defer_mapping else contextlib.nullcontext():
+                return self._prepare(rows, seq_lens, prefix_lens, rids)
+        self.trace.begin()
+        self.device_wait.begin()
+        fields = {"busy": self.device_wait.busy(), "steps": len(seq_lens),
+                  "binds": len(seq_lens) if prefix_lens is not None else 0}
+        try:
+            with self.cache.deferred() if self.defer_mapping else contextlib.nullcontext():
+                return self._prepare(rows, seq_lens, prefix_lens, rids)
+        finally:
+            self.device_wait.end()
+            self.trace.end(**fields)
 
     def ready(self, layer: int | None = None) -> None:
         """Make the VMM calls :meth:`prepare` deferred for the ranges ``layer`` reads (and those

@@ -122,6 +122,7 @@ def throughput(args) -> dict:
         if metrics and "error" not in metrics:
             row["vattn_metrics"] = metrics
         row["init_s"] = [r.extra.get("init_s") for r in results[mode]]
+        row["wall_each"] = [w for r in results[mode] for w in r.extra.get("wall_each", [])]
         row["token_match_vs_" + modes[0]] = _token_match(results[mode], results.get(modes[0]))
     return {"stage": workload, "model_preset": preset, "sizing": sizing, "rounds": rounds,
             "engine_args": engine_args, "workload": dict(num=num, prompt_len=length, new_tokens=new),

@@ -110,6 +110,8 @@ class SglangRunner:
             env.pop(name, None)
         if mode.startswith("vattn"):
             env["VATTN_SGLANG"] = "1"
+        if env.get("VATTN_STEP_TRACE"):
+            env["VATTN_RUN_NAME"] = mode                 # names the scheduler's step trace
         if mode in ("vattn-nostage", "vattn-packs", "vattn-defer"):
             env["VATTN_STAGE_PREFIXES"] = "0"
         if mode in ("vattn-packs", "vattn-defer"):

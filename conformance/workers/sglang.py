@@ -19,6 +19,7 @@ SGLang's prefill graphs yet, so stock runs without them too, like for like.
 Timing: a short warm-up generate first, then ``generations`` (default 1) timed ``generate`` calls
 of all prompts in the same engine; ``seconds`` is the best of them, ``extra["generation_s"]``
 lists each (repeated generations show whether an engine stays as fast as it started);
+``extra["wall_each"]`` their wall-clock ``[start, end]`` (a step trace is cut by them),
 ``extra["cached_tokens"]`` the prompt tokens SGLang served from its radix cache in each generation
 and, with ``logprobs``, ``extra["earlier_token_ids"]`` the tokens of every generation but the last
 (a later generation hits what an earlier one cached). vattn modes
@@ -90,14 +91,15 @@ def run(spec: dict) -> dict:
     init_s = time.perf_counter() - t0
     prompts, new, k = spec["prompts"], int(spec["max_new_tokens"]), int(spec.get("logprobs", 0))
     params = dict(temperature=0.0, max_new_tokens=new, ignore_eos=True)
-    generation_s, cached, earlier = [], [], []
+    generation_s, cached, earlier, walls = [], [], [], []
     try:
         engine.generate(input_ids=prompts[:2], sampling_params=dict(params, max_new_tokens=4))
         for _ in range(max(1, int(spec.get("generations", 1)))):
-            start = time.perf_counter()
+            start, wall = time.perf_counter(), time.time()
             outs = engine.generate(input_ids=prompts, sampling_params=params,
                                    return_logprob=k > 0, top_logprobs_num=k if k > 0 else None)
             generation_s.append(time.perf_counter() - start)
+            walls.append([wall, time.time()])
             cached.append(sum(int(o.get("meta_info", {}).get("cached_tokens", 0)) for o in outs))
             if k > 0:
                 earlier.append([list(o["output_ids"]) for o in outs])
@@ -108,7 +110,7 @@ def run(spec: dict) -> dict:
     return dict(token_ids=ids, logprobs=[_logprobs(o) for o in outs] if k > 0 else None,
                 seconds=seconds, num_prompt_tokens=sum(map(len, prompts)),
                 num_generated_tokens=sum(map(len, ids)),
-                extra=dict(init_s=init_s, mode=spec["mode"], generation_s=generation_s,
+                extra=dict(init_s=init_s, mode=spec["mode"], generation_s=generation_s, wall_each=walls,
                            cached_tokens=cached, earlier_token_ids=earlier[:-1],
                            engine_args=engine_kwargs(spec["mode"], "", spec.get("engine_args", {})),
                            vattn_metrics=_read_metrics(metrics_path)))

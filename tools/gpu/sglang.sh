@@ -38,6 +38,10 @@ set -u
 begin_run sglang 530
 use_engine sglang    # VATTN_SGLANG is set per run, for the vattn mode only, by the runner
 export SGLANG_USE_SGL_FA3_KERNEL=1
+# VATTN_TRACE_STEPS=1: each vattn engine's scheduler writes its step trace (core/step_trace.py;
+# one row per forward's preparation) to steps/<pid>.json in the results, whenever the engine goes
+# idle (read it with `vattn bench steps --results <dir>/sglang`; VATTN_STEP_PROFILE=1 adds a profile)
+[ "${VATTN_TRACE_STEPS:-0}" = 1 ] && export VATTN_STEP_TRACE="$R/steps/{pid}.json"
 
 pack() { tar -czf "$OUT/sglang_results.tgz" --exclude=sglang/models -C "$W" sglang 2>/dev/null; cp "$SUM" "$OUT/sglang_summary.txt"; }
 
