@@ -35,10 +35,10 @@ from .metrics import Counters
 
 __all__ = ["DeferredCalls", "DeferredCallError", "LaterFence"]
 
-#: the driver's other calls that touch what a queued call may name (a handle, the reservation):
-#: whatever is queued is made before them (``create`` and ``reserve`` make something new; the
+#: the driver's other calls that touch what a queued call may name (a handle, the reservation,
+#: mapped memory): whatever is queued is made before them (``create`` and ``reserve`` make something new; the
 #: calls a window queues, and fences, have methods of their own below)
-_ORDERED = frozenset(("release", "free_va"))
+_ORDERED = frozenset(("release", "free_va", "copy"))
 
 
 class DeferredCallError(DriverError):

@@ -45,8 +45,6 @@ class AddressSpace:
                               f"{exc}") from exc
         self.bases = [self.base + r * self.layout.range_bytes for r in range(self.layout.num_ranges)]
         self.elems = self.driver.view(self.base, self.num_bytes).view(dtype)
-        if self.elems.device.type == "cuda":
-            _load_copy_kernel(dtype, self.elems.device)
 
     def view(self, layer: int, which: str) -> torch.Tensor:
         """K (``which="k"``) or V of ``layer``: ``[max_slots + 1, rows_per_slot, H, D]``, made once."""
@@ -59,26 +57,24 @@ class AddressSpace:
         return self.views[key]
 
     def copy_set(self, src: tuple[int, int], dst: tuple[int, int], pages: tuple) -> None:
-        """Copy page-set ``src`` to ``dst`` (``(slot, index)`` each), every range, in one launch.
-        Inside a deferral window with calls queued, one copy per range instead, each queued
-        behind its range's calls (it reads and writes through them); ``pages``: the pool pages
-        of ``src`` and of ``dst`` (one per range each), marked as used by the queued copies."""
-        lay, elems = self.layout, self.elems
-        size = elems.element_size()
-        page, stride = lay.page_bytes // size, lay.range_bytes // size
-
-        def view(slot, index):
-            offset = elems.storage_offset() + lay.page_offset(slot, index) // size
-            return elems.as_strided((lay.num_ranges, page), (stride, 1), offset)
+        """Copy page-set ``src`` to ``dst`` (``(slot, index)`` each): one driver copy per range
+        (``cuMemcpyDtoDAsync`` on CUDA). Inside a deferral window with calls queued, each range's
+        copy is queued behind that range's calls (it reads and writes through them); ``pages``:
+        the pool pages of ``src`` and of ``dst`` (one per range each), marked as used by the
+        queued copies."""
+        lay = self.layout
+        src_off, dst_off = lay.page_offset(*src), lay.page_offset(*dst)
         if self.driver.deferring():
             for rng in range(lay.num_ranges):
                 self.driver.touch([pids[rng] for pids in pages], rng)
-                self.driver.later(rng, lambda r=rng: view(*dst)[r].copy_(view(*src)[r]))
-        elif elems.device.type == "cuda":
-            view(*dst).copy_(view(*src))             # one strided copy: one launch
-        else:                                        # the host: one memcpy per range is faster
-            for d, s in zip(view(*dst), view(*src)):
-                d.copy_(s)
+                self.driver.later(rng, lambda r=rng: self._copy_range(r, src_off, dst_off))
+            return
+        for rng in range(lay.num_ranges):
+            self._copy_range(rng, src_off, dst_off)
+
+    def _copy_range(self, rng: int, src_off: int, dst_off: int) -> None:
+        base = self.bases[rng]
+        self.driver.copy(base + dst_off, base + src_off, self.layout.page_bytes)
 
     def run_bytes(self, rng: int, slot: int, index: int, count: int) -> torch.Tensor:
         """``uint8`` bytes of page-sets ``index .. index + count - 1`` of ``slot`` in range ``rng``."""
@@ -96,13 +92,3 @@ class AddressSpace:
         if self.base is not None:
             self.driver.free_va(self.base, self.num_bytes)
             self.base = None
-
-
-def _load_copy_kernel(dtype: torch.dtype, device: torch.device) -> None:
-    """Launch one strided 2-D copy of ``dtype`` (the kind :meth:`AddressSpace.copy_set` makes) on
-    scratch memory, so its kernel is loaded at start rather than in the first engine step that
-    copies a page-set. That step waited 50-60 ms with its CPU idle (step trace, H100,
-    2026-12-07), as a kernel loaded on its first launch does under CUDA's lazy module loading:
-    the likely cause, not yet confirmed by a trace with this warm-up."""
-    scratch = torch.zeros((2, 64), dtype=dtype, device=device)
-    scratch.as_strided((2, 16), (64, 1), 32).copy_(scratch.as_strided((2, 16), (64, 1), 0))

@@ -75,6 +75,10 @@ class Driver(Protocol):
     def zero(self, va: int, nbytes: int) -> None:
         """Zero mapped bytes, ordered before later work on the current stream."""
 
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy ``nbytes`` from ``src`` to ``dst`` (both accessible, not overlapping), ordered
+        after earlier and before later work on the current stream."""
+
     def record_fence(self) -> Fence:
         """Record a fence after all work issued so far on the current stream."""
 

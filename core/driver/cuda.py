@@ -76,6 +76,9 @@ class CudaDriver:
         self.granularity = int(self._call("cuMemGetAllocationGranularity",
                                           cu.cuMemGetAllocationGranularity, prop, flag))
         self.unmap_spans = self._unmaps_spans()
+        #: the current stream's handle without torch.cuda.current_stream's Python layers
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda index: torch.cuda.current_stream(index).cuda_stream)
 
     def _unmaps_spans(self) -> bool:
         """Whether this driver unmaps two adjacent mappings with one cuMemUnmap (asked once, on
@@ -154,6 +157,13 @@ class CudaDriver:
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self._call("cuMemsetD8Async", self.cu.cuMemsetD8Async, va, 0, nbytes, stream,
                    shown={"va": va, "nbytes": nbytes})
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """One ``cuMemcpyDtoDAsync`` on torch's current stream (a page-set copy makes one per
+        range: a driver call each, where a strided tensor copy spanning the ranges costs
+        TensorIterator's 64-bit-index split into a launch per range)."""
+        self._call("cuMemcpyDtoDAsync", self.cu.cuMemcpyDtoDAsync, dst, src, nbytes,
+                   self._raw_stream(self.device.index), shown={"dst": dst, "src": src, "nbytes": nbytes})
 
     def record_fence(self) -> CudaFence:
         return CudaFence()

@@ -196,6 +196,19 @@ class HostDriver:
             raise DriverError("memset", {"va": va, "nbytes": nbytes}, "EFAULT", "range not accessible")
         ctypes.memset(va, 0, nbytes)
 
+    @_locked
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        for name, va in (("dst", dst), ("src", src)):
+            first = va - va % self.granularity
+            pages = self._pages("memmove", first, -(-(va + nbytes - first) // self.granularity) * self.granularity)
+            if any(p not in self._access for p in pages):
+                raise DriverError("memmove", {"dst": dst, "src": src, "nbytes": nbytes}, "EFAULT",
+                                  f"{name} range not accessible")
+        if dst < src + nbytes and src < dst + nbytes:
+            raise DriverError("memmove", {"dst": dst, "src": src, "nbytes": nbytes}, "EINVAL",
+                              "the ranges overlap")
+        ctypes.memmove(dst, src, nbytes)
+
     def record_fence(self) -> DoneFence:
         return DoneFence()
 

@@ -154,3 +154,44 @@ def test_one_unmap_takes_adjacent_mappings_where_the_driver_says_so(device):
         for h in handles:
             drv.release(h)
         drv.free_va(base, 3 * g)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_copy_moves_bytes_between_mapped_pages_on_the_stream(device):
+    """``copy``: the bytes of one mapped page land in another (on CUDA one cuMemcpyDtoDAsync on
+    the current stream, read back after the kernels before it)."""
+    drv = _driver(device)
+    g = drv.granularity
+    base = drv.reserve(2 * g)
+    view = drv.view(base, 2 * g)
+    handles = [drv.create(g) for _ in range(2)]
+    for i, h in enumerate(handles):
+        drv.map(base + i * g, g, h)
+    drv.set_access(base, 2 * g)
+    view[:g] = torch.arange(g, dtype=torch.int64, device=view.device).remainder(251).to(torch.uint8)
+    view[g:] = 0
+    drv.copy(base + g + 64, base + 128, g // 2)
+    assert torch.equal(view[g + 64:g + 64 + g // 2], view[128:128 + g // 2])
+    assert view[g:g + 64].sum().item() == 0 and view[g + 64 + g // 2:].sum().item() == 0
+    for i, h in enumerate(handles):
+        drv.unmap(base + i * g, g)
+        drv.release(h)
+    drv.free_va(base, 2 * g)
+
+
+def test_host_copy_refuses_memory_without_access_and_overlap():
+    """What would fault on the device is a DriverError on the host, not a segfault."""
+    drv = HostDriver(granularity=PAGE)
+    base = drv.reserve(3 * PAGE)
+    h = drv.create(PAGE)
+    drv.map(base, PAGE, h)
+    drv.set_access(base, PAGE)
+    with pytest.raises(DriverError, match="dst range not accessible"):
+        drv.copy(base + PAGE, base, 16)                 # nothing mapped there
+    with pytest.raises(DriverError, match="src range not accessible"):
+        drv.copy(base, base + PAGE - 8, 16)             # runs past the mapped page
+    with pytest.raises(DriverError, match="overlap"):
+        drv.copy(base + 8, base, 16)
+    drv.unmap(base, PAGE)
+    drv.release(h)
+    drv.free_va(base, 3 * PAGE)
