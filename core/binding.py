@@ -166,9 +166,10 @@ class Binding:
                 cur = self._replace(slot, index, cur)
                 if cur is None:
                     return None
-        scrubbed = False
-        for rng in range(len(cur)):                   # pages of another tenant are scrubbed first
-            scrubbed |= pages.scrub_pages(slot, rng, (index,), st.slots.tenant[slot])
+        scrubbed, tenant, bound = False, st.slots.tenant[slot], pages.bound
+        if any(not bound[p] and pages.needs_scrub(p, tenant) for p in cur):
+            for rng in range(len(cur)):               # pages of another tenant are scrubbed first
+                scrubbed |= pages.scrub_pages(slot, rng, (index,), tenant)
         self.pending_twin = None if scrubbed else moved
         return cur
 
@@ -337,13 +338,13 @@ class Binding:
         if dst is None:
             return False
         self._unpack_for_write(*dst)
-        self.space.copy_set((slot, index), dst, (cur, st.pages.at(*dst)))
+        to = st.pages.at(*dst)
+        self.space.copy_set((slot, index), dst, (cur, to))
         st.copied((slot, index), dst)
         tags = st.pool.tenant
-        for src_page, dst_page in zip(cur, st.pages.at(*dst)):
+        for src_page, dst_page in zip(cur, to):
             tags[dst_page] = tags[src_page]           # the content's tenant moves with it
         st.slots.mixed.add(dst[0])
-        st.keys.drop(key)                             # cur keeps its mapping here (no page freed)
-        st.keys.bind(key, st.pages.at(*dst), dst)
+        st.keys.move(key, to, dst)                    # cur keeps its mapping here (no page freed)
         st.counters.page_sets_moved += 1
         return True

@@ -16,6 +16,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
+from .errors import VattnError
 from .pages import PagePool
 
 __all__ = ["BlockKeys"]
@@ -58,6 +59,21 @@ class BlockKeys:
         self.key_of[pids[0]] = key
         if self.on_bind is not None:
             self.on_bind(pids)
+
+    def move(self, key, pids: tuple[int, ...], home: tuple[int, int]) -> None:
+        """``key``'s block now lives in page-set ``pids`` at ``home`` (a device copy moved it):
+        :meth:`drop` then :meth:`bind` without a page freed (the old pages keep their mapping)."""
+        old = self.pids[key]
+        refs = self.pool.refs
+        if any(refs[p] < 2 for p in old):
+            raise VattnError(f"block key {key!r}: its old pages would be freed by a move")
+        for p in old:
+            refs[p] -= 1
+        del self.key_of[old[0]]
+        self.bound[list(old)] = False
+        self.home.pop(key, None)
+        self.pids.pop(key)
+        self.bind(key, pids, home)
 
     def drop(self, key) -> int:
         """Forget ``key``; its pages lose the key's reference. Returns the pages freed (those no

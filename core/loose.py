@@ -43,7 +43,7 @@ class LooseSets:
             slot, index = self.candidates.pop()
             if slot >= n or (slot == avoid[0] and index < avoid[1]) or slot in table.inflight:
                 continue
-            if table.active[slot] and index < table.num_read_sets(slot):
+            if table.active[slot] and index < table.read_sets(slot):
                 continue
             pids = st.pages.at(slot, index)
             if pids is not None and all(refs[p] == 1 for p in pids):

@@ -13,6 +13,7 @@ to the pool) and a later call simply continues.
 from __future__ import annotations
 
 import time
+from operator import itemgetter
 from dataclasses import dataclass
 
 import numpy as np
@@ -234,7 +235,7 @@ class SlotPages(PackRuns):
         it is mapped and accessible in every range."""
         if index >= self.usable(slot):
             return None
-        return tuple(pages[index] for pages in self.mapped[slot])
+        return tuple(map(itemgetter(index), self.mapped[slot]))
 
     def put(self, slot: int, index: int, sets: list[tuple[int, ...]]) -> int:
         """Map the page-sets ``sets`` (each one pool page per range, already referenced

@@ -42,6 +42,11 @@ class SlotTable:
         self.clock = 0
         self.inflight: set[int] = set()  # slots the map-ahead worker is mapping into right now
 
+    def read_sets(self, slot: int) -> int:
+        """:meth:`num_read_sets` of one slot, in plain ints (the per-bind checks)."""
+        lay = self.layout
+        return max(-(-int(self.length[slot]) * lay.token_bytes // lay.page_bytes), int(self.bound_sets[slot]))
+
     def num_read_sets(self, slots):
         """Page-sets the requests in ``slots`` (one slot, a slice or an index array) read: those
         below their ensured length or their bound page-sets, whichever reach higher."""
@@ -86,7 +91,7 @@ class CacheState:
         running request reads: it stays mapped until its release, which records a later fence."""
         table = self.slots
         for slot, index in places:
-            if table.active[slot] and index < table.num_read_sets(slot):
+            if table.active[slot] and index < table.read_sets(slot):
                 continue
             if self._copy_fence is None or self._copy_fence.recorded:
                 self._copy_fence = SharedFence(self.driver)

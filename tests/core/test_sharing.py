@@ -533,3 +533,15 @@ def test_the_moves_of_one_step_share_one_fence_recorded_after_them(cache):
     c = cache.acquire()
     assert cache.bind(c, 0, ["a0", "b0"], hits=2)          # the moved blocks still read back
     assert same(cache, c, T, 2 * T, 1)
+
+
+def test_moving_a_key_whose_pages_only_it_holds_is_refused_and_changes_nothing(cache):
+    """``BlockKeys.move`` is for a block copied out of a position that keeps its pages mapped:
+    on pages only the key holds (unmapped everywhere) it would free them, so it refuses."""
+    from vattn.core.errors import VattnError
+    _cached_then_unmapped(cache, 3)
+    keys = cache._state.keys
+    before = keys.get("c1")
+    with pytest.raises(VattnError, match="would be freed"):
+        keys.move("c1", keys.get("c0"), (0, 0))
+    assert keys.get("c1") == before and all(keys.bound[p] for p in before)
