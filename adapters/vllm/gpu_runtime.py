@@ -24,7 +24,7 @@ import torch
 
 from vattn.core import KVCacheConfig, VirtualKVCache, snapshots, step_trace
 from vattn.core.layout import cache_layout_row
-from vattn.core.config import DRIVER_RETRIES_ENV, driver_retries
+from vattn.core.config import DRIVER_RETRIES_ENV, driver_retries, env_flag
 from vattn.core.device_wait import DeviceWait
 from vattn.core.errors import ConfigError, DriverRetry, VattnError
 from vattn.core.metrics import Histogram
@@ -33,7 +33,10 @@ from vattn.core.staging import PrefixBursts
 
 from .slot_tables import SlotTables
 
-__all__ = ["GpuRuntime"]
+__all__ = ["GpuRuntime", "DEVICE_WAIT_ENV"]
+
+#: ``0`` turns off the CUDA events that measure the device's idle time behind :meth:`GpuRuntime.apply`
+DEVICE_WAIT_ENV = "VATTN_DEVICE_WAIT"
 
 
 class GpuRuntime:
@@ -116,7 +119,10 @@ class GpuRuntime:
         #: device idle time behind apply() per step: the part of step_us the GPU waited for
         #: ``$VATTN_STEP_TRACE``: one row per apply() (when, requests bound, driver calls)
         self.trace = step_trace.from_env(lambda: self.cache.counters)
-        self.device_wait = DeviceWait(config.torch_device.type == "cuda",
+        #: (CUDA events: each record / query releases the GIL; ``$VATTN_DEVICE_WAIT=0`` turns
+        #: them off, to see whether another thread's Python takes the GIL there)
+        timed = env_flag(DEVICE_WAIT_ENV, True)
+        self.device_wait = DeviceWait(config.torch_device.type == "cuda" and timed,
                                       sink=None if self.trace is None else self.trace.idle)
         self.blocks_us = Histogram()           # host time of on_blocks() (incl. acquire) per call
         # every slot starts with an even share of the pool mapped: vLLM hands out blocks of a

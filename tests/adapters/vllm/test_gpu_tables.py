@@ -471,3 +471,16 @@ def test_one_request_with_a_prefix_stages_nothing_until_the_next_step_hits_it_ag
         rt.cache.audit()
     finally:
         rt.close()
+
+
+def test_device_wait_env_is_a_checked_switch(monkeypatch):
+    """``VATTN_DEVICE_WAIT=0`` turns the device-idle events off (host runs never have them);
+    anything but 0 / 1 is refused by name."""
+    from vattn.core.errors import ConfigError
+    monkeypatch.setenv("VATTN_DEVICE_WAIT", "0")
+    rt, _ = _runtime(prefix_caching=True)
+    assert rt.device_wait.enabled is False
+    rt.close()
+    monkeypatch.setenv("VATTN_DEVICE_WAIT", "no")
+    with pytest.raises(ConfigError, match="VATTN_DEVICE_WAIT must be 0 or 1"):
+        _runtime(prefix_caching=True)
