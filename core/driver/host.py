@@ -198,10 +198,9 @@ class HostDriver:
 
     @_locked
     def copy(self, dst: int, src: int, nbytes: int) -> None:
-        for name, va in (("dst", dst), ("src", src)):
-            first = va - va % self.granularity
-            pages = self._pages("memmove", first, -(-(va + nbytes - first) // self.granularity) * self.granularity)
-            if any(p not in self._access for p in pages):
+        g, access = self.granularity, self._access
+        for name, va in (("dst", dst), ("src", src)):   # accessible pages are reserved ones
+            if nbytes <= 0 or any(p not in access for p in range(va - va % g, va + nbytes, g)):
                 raise DriverError("memmove", {"dst": dst, "src": src, "nbytes": nbytes}, "EFAULT",
                                   f"{name} range not accessible")
         if dst < src + nbytes and src < dst + nbytes:
