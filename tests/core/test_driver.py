@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -161,22 +163,31 @@ def test_copy_moves_bytes_between_mapped_pages_on_the_stream(device):
     """``copy``: the bytes of one mapped page land in another (on CUDA one cuMemcpyDtoDAsync on
     the current stream, read back after the kernels before it)."""
     drv = _driver(device)
+    with _accessible_pages(drv, 2) as (base, view):
+        g = drv.granularity
+        view[:g] = torch.arange(g, dtype=torch.int64, device=view.device).remainder(251).to(torch.uint8)
+        view[g:] = 0
+        drv.copy(base + g + 64, base + 128, g // 2)
+        assert torch.equal(view[g + 64:g + 64 + g // 2], view[128:128 + g // 2])
+        assert view[g:g + 64].sum().item() == 0 and view[g + 64 + g // 2:].sum().item() == 0
+
+
+@contextlib.contextmanager
+def _accessible_pages(drv, n: int):
+    """``n`` pages of ``drv`` mapped side by side with access: ``(va, uint8 view)``, given back after."""
     g = drv.granularity
-    base = drv.reserve(2 * g)
-    view = drv.view(base, 2 * g)
-    handles = [drv.create(g) for _ in range(2)]
+    base = drv.reserve(n * g)
+    handles = [drv.create(g) for _ in range(n)]
     for i, h in enumerate(handles):
         drv.map(base + i * g, g, h)
-    drv.set_access(base, 2 * g)
-    view[:g] = torch.arange(g, dtype=torch.int64, device=view.device).remainder(251).to(torch.uint8)
-    view[g:] = 0
-    drv.copy(base + g + 64, base + 128, g // 2)
-    assert torch.equal(view[g + 64:g + 64 + g // 2], view[128:128 + g // 2])
-    assert view[g:g + 64].sum().item() == 0 and view[g + 64 + g // 2:].sum().item() == 0
-    for i, h in enumerate(handles):
-        drv.unmap(base + i * g, g)
-        drv.release(h)
-    drv.free_va(base, 2 * g)
+    drv.set_access(base, n * g)
+    try:
+        yield base, drv.view(base, n * g)
+    finally:
+        for i, h in enumerate(handles):
+            drv.unmap(base + i * g, g)
+            drv.release(h)
+        drv.free_va(base, n * g)
 
 
 def test_host_copy_refuses_memory_without_access_and_overlap():
