@@ -1,7 +1,6 @@
 """Prefix sharing: page-sets named by block keys, one physical page-set mapped into several slots."""
 
 import pytest
-import torch
 
 from vattn.core import ContextLengthError, SlotError
 from vattn.core.driver import FaultInjector
