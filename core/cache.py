@@ -407,7 +407,10 @@ class VirtualKVCache:
         self._check_active(slot)
         index = check_index(index, self.layout.pages_per_slot)
         with self._cond:
-            return self._binding.claim(slot, index)
+            try:
+                return self._binding.claim(slot, index)
+            finally:
+                self._state.seal_fence()
 
     def copy_block(self, src, dst) -> bool:
         """Copy the KV of block ``src`` into block ``dst`` (both bound keys; ``dst`` bound fresh
@@ -429,7 +432,10 @@ class VirtualKVCache:
         if src == dst:
             raise SlotError(f"copy of block key {src!r} onto itself")
         with self._cond:
-            return self._binding.copy(src, dst)
+            try:
+                return self._binding.copy(src, dst)
+            finally:
+                self._state.seal_fence()
 
     def stage_prefix(self, keys, copies: int) -> int:
         """Map the page-sets ``keys`` name (a prefix-cache hit, in order, from position 0) into

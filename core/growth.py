@@ -66,7 +66,7 @@ class Growth:
                 break                                 # (reclaim keeps the lock: nothing moved)
             if not st.slots.inflight:
                 return False, True
-            st.cond.wait()                            # the worker may take up this slot again
+            st.wait_cond()                            # the worker may take up this slot again
         if pages.missing(slot, num_sets) > pool.num_free:
             return False, True
         return pages.grow(slot, num_sets, st.slots.tenant[slot], ahead=False), exhausted
@@ -81,7 +81,7 @@ class Growth:
                 break
             if not st.slots.inflight:
                 return None
-            st.cond.wait()
+            st.wait_cond()
         return st.pool.take(ranges)
 
     def prewarm(self, tokens_per_slot: int | None, min_tokens: int) -> int:

@@ -12,6 +12,7 @@ import threading
 import numpy as np
 
 from .config import KVCacheConfig
+from .errors import VattnError
 from .keys import BlockKeys
 from .layout import KVLayout
 from .metrics import Counters
@@ -71,7 +72,13 @@ class CacheState:
         whoever maps there next must see its pages recorded first). Call before mapping into a
         slot after anything that may have waited on the condition."""
         while slot in self.slots.inflight:
-            self.cond.wait()
+            self.wait_cond()
+
+    def wait_cond(self) -> None:
+        """Wait on the cache's condition (the lock is released meanwhile): the copies' fence is
+        recorded first, on this thread's stream (another thread must not record it)."""
+        self.seal_fence()
+        self.cond.wait()
 
     def home(self, key) -> tuple[int, int] | None:
         """``(slot, index)`` where ``key``'s page-set was last mapped for a request, if the
@@ -114,14 +121,17 @@ class CacheState:
 
 
 class SharedFence:
-    """A fence several copies share, recorded once (by :meth:`CacheState.seal_fence`, or at
-    its first :meth:`done` / :meth:`wait`): recorded after all of them, so it completes after
-    each. A copy queued once it is recorded gets a new one."""
+    """A fence several copies share, recorded once after all of them (so it completes after
+    each) by :meth:`CacheState.seal_fence` — at the end of the cache call that queued them and
+    before its thread lets go of the cache's lock — or at its first :meth:`done` / :meth:`wait`
+    on that thread (on its current stream, the copies' stream). A copy queued once it is
+    recorded gets a new one. Another thread (the map-ahead worker) never records it: for it an
+    unrecorded fence is not done."""
 
-    __slots__ = ("driver", "fence")
+    __slots__ = ("driver", "fence", "owner")
 
     def __init__(self, driver):
-        self.driver, self.fence = driver, None
+        self.driver, self.fence, self.owner = driver, None, threading.get_ident()
 
     @property
     def recorded(self) -> bool:
@@ -129,9 +139,15 @@ class SharedFence:
 
     def record(self) -> None:
         if self.fence is None:
+            if threading.get_ident() != self.owner:
+                raise VattnError("a copy's fence was to be recorded by a thread other than the one "
+                                 "that queued the copy (its stream may differ); expected it sealed "
+                                 "before the cache's lock was let go")
             self.fence = self.driver.record_fence()
 
     def done(self) -> bool:
+        if self.fence is None and threading.get_ident() != self.owner:
+            return False
         self.record()
         return self.fence.done()
 

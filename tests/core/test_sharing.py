@@ -544,3 +544,27 @@ def test_moving_a_key_whose_pages_only_it_holds_is_refused_and_changes_nothing(c
     with pytest.raises(VattnError, match="would be freed"):
         keys.move("c1", keys.get("c0"), (0, 0))
     assert keys.get("c1") == before and all(keys.bound[p] for p in before)
+
+
+def test_an_unrecorded_copy_fence_is_not_done_for_another_thread_and_never_recorded_there(cache):
+    """A step's copies share a fence recorded on the thread (the stream) that queued them; the
+    map-ahead worker meeting it before that (the lock let go while bind_many waits) sees it
+    pending rather than recording it on its own stream."""
+    import threading
+    from vattn.core.errors import VattnError
+    from vattn.core.state import SharedFence
+    fence = SharedFence(cache._state.driver)
+    seen = {}
+
+    def other():
+        seen["done"] = fence.done()
+        try:
+            fence.wait()
+        except VattnError as exc:
+            seen["wait"] = str(exc)
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert seen["done"] is False and "other than the one that queued" in seen["wait"]
+    assert not fence.recorded
+    assert fence.done() and fence.recorded                # the owner records it (the host: done)
