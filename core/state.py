@@ -122,9 +122,9 @@ class CacheState:
 
 class SharedFence:
     """A fence several copies share, recorded once after all of them (so it completes after
-    each) by :meth:`CacheState.seal_fence` — at the end of the cache call that queued them and
-    before its thread lets go of the cache's lock — or at its first :meth:`done` / :meth:`wait`
-    on that thread (on its current stream, the copies' stream). A copy queued once it is
+    each) by :meth:`CacheState.seal_fence` — at the end of the cache call that queued them, and
+    before that thread waits on the cache's condition — or at its first :meth:`done` /
+    :meth:`wait` on that thread (on its current stream, the copies' stream). A copy queued once it is
     recorded gets a new one. Another thread (the map-ahead worker) never records it: for it an
     unrecorded fence is not done."""
 
