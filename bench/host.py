@@ -83,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "as the forward reaches each range, as vLLM's GPU runner does "
                              "(VATTN_DEFER_MAPPING); the table then shows the host ms of those calls "
                              "and of the first range's (still before the forward)")
+    parser.add_argument("--free-reserve", type=argtypes.non_negative_int, default=0,
+                        help="with --stage-prefixes (the map-ahead worker): page-sets pre-warm leaves "
+                             "free and the worker refills between steps (VATTN_FREE_RESERVE; vLLM's GPU "
+                             "runner: two steps of max_num_batched_tokens); default 0: none")
     parser.add_argument("--warm-up", action="store_true",
                         help="with the scheduler: before the generations, one untimed request of the "
                              "first prompt for 2 tokens, as the engine stages warm up (a shared "
@@ -96,13 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = False,
              blocks: int | None = None, driver=None, stream_ordered: bool = True,
              stage: bool | None = None, pack_mb: int = 0, pack_sets: int | tuple[int, ...] = 8,
-             defer: bool = False):
+             defer: bool = False, free_reserve: int = 0):
     """Llama-3-8B's page arithmetic (G=4: 128 tokens per 2 MiB page-set row) on CUDA; on the host
     backend the same 128 tokens per page with 1 KV head of 64 fp32 values and 256 KiB pages (16
     fp16 values and 32 KiB pages with prefix caching, whose workloads hold more tokens).
     ``blocks``: page-sets in the pool (default: every request's whole length, plus one);
     ``stage``: ``None`` no map-ahead worker, else the worker on (one block ahead, as vLLM's GPU
-    runner has it) with prefix staging on or off; ``defer``: deferred mapping."""
+    runner has it) with prefix staging on or off; ``defer``: deferred mapping; ``free_reserve``:
+    page-sets kept free (``KVCacheConfig.free_reserve``)."""
     from vattn.adapters.vllm.gpu_runtime import GpuRuntime
     from vattn.core import KVCacheConfig
     cuda = torch.device(device).type == "cuda"
@@ -116,7 +121,7 @@ def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = Fa
                         max_context=context, group_size=4, page_budget=blocks * pages_per_set * page,
                         page_bytes=page, device=device, map_ahead_tokens=0 if stage is None else block,
                         stream_ordered=stream_ordered, pack_pages=pack_mb * 2**20 // page,
-                        pack_sets=pack_sets)
+                        pack_sets=pack_sets, free_reserve=free_reserve * pages_per_set)
     check_fits(f"{batch} requests of {max_len} tokens", cfg.page_budget, device,
                hint="lower --batch, --prompt or --new")
     names = [f"model.layers.{i}.self_attn.attn" for i in range(32)]
@@ -208,10 +213,12 @@ def run_prefix(args) -> int:
         raise ConfigError(f"--pool-fraction must be in (0, 8], got {args.pool_fraction}")
     stage = None if args.stage_prefixes is None else args.stage_prefixes == "on"
     scheduled = (args.pool_fraction != 1 or args.fence_lag > 0 or args.max_batched_tokens is not None
-                 or stage is not None or args.pack_mb > 0 or args.warm_up or args.defer_mapping)
+                 or stage is not None or args.pack_mb > 0 or args.warm_up or args.defer_mapping
+                 or args.free_reserve > 0)
     if scheduled and args.workload == "multi-turn":
         raise ConfigError("--pool-fraction / --fence-lag / --max-batched-tokens / --stage-prefixes / --pack-mb / "
-                          "--warm-up / --defer-mapping run decode-heavy or shared-prefix, not multi-turn")
+                          "--warm-up / --defer-mapping / --free-reserve run decode-heavy or shared-prefix, "
+                          "not multi-turn")
     turns = args.generations + 1
     longest = args.prompt + args.new + ((turns - 1) * (args.new + args.user) if args.workload == "multi-turn" else 0)
     fences = None
@@ -231,7 +238,8 @@ def run_prefix(args) -> int:
                           "--max-batched-tokens or --stage-prefixes")
     rt = _runtime(args.device, seqs, args.max_model_len or longest, prefix_caching=True,
                   blocks=blocks, driver=fences, stream_ordered=args.fence_policy == "retire", stage=stage,
-                  pack_mb=args.pack_mb, pack_sets=_sizes(args.pack_sets), defer=args.defer_mapping)
+                  pack_mb=args.pack_mb, pack_sets=_sizes(args.pack_sets), defer=args.defer_mapping,
+                  free_reserve=args.free_reserve)
     try:
         pool = PrefixBlockPool(blocks, rt.block_size)
         prompts = prompts_for(args.workload, batch=args.batch, prompt=args.prompt, shared=args.shared)
@@ -280,6 +288,8 @@ def run_prefix(args) -> int:
              if args.pack_mb else "")
           + ("; each step's VMM calls deferred to its forward, made range by range (issue: their "
              "host ms; first_range: the part before the first layer)" if args.defer_mapping else "")
+          + (f"; {args.free_reserve} page-sets of the pool kept free (pre-warm leaves them, the worker "
+             "refills them between steps)" if args.free_reserve else "")
           + ("; before the generations an untimed warm-up request of the first prompt (2 tokens), as "
              "the engine stages run one" if args.warm_up else "")
           + "; over the run the block pool handed out "
@@ -292,7 +302,7 @@ def run_prefix(args) -> int:
                                                                "fence_lag", "fence_policy", "max_model_len",
                                                                "max_num_seqs", "max_batched_tokens",
                                                                "stage_prefixes", "pack_mb", "pack_sets", "warm_up",
-                                                               "defer_mapping")},
+                                                               "defer_mapping", "free_reserve")},
                        "generations": runs}, f, indent=1)
     if not args.no_report:
         pressure = (f", pool {args.pool_fraction:g}, device lag {args.fence_lag}, {args.fence_policy}"

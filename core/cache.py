@@ -248,15 +248,21 @@ class VirtualKVCache:
         return failed
 
     def step(self, lengths, lengths_seq=None) -> list[int]:
-        """:meth:`ensure`, then map each ok slot ``map_ahead_tokens`` further in the background."""
+        """:meth:`ensure`, then map each ok slot ``map_ahead_tokens`` further in the background
+        (and, with ``free_reserve``, free the pool back up to it there)."""
         slots, lens = batch_arrays(lengths, lengths_seq)
         failed = self.ensure(slots, lens)
         if not self.config.map_ahead_tokens:
             return failed
         targets = self._growth.ahead_targets(slots, lens, failed)
-        if targets:
+        refill = self._pool.num_free < self.config.free_reserve
+        if targets or refill:
             with self._cond:
-                self._started_worker().submit(targets)
+                worker = self._started_worker()
+                if targets:
+                    worker.submit(targets)
+                if refill:
+                    worker.poke()              # the free reserve, refilled while the device computes
         return failed
 
     def _started_worker(self) -> MapAhead:
@@ -264,7 +270,8 @@ class VirtualKVCache:
         if self._worker is None:
             self._worker = MapAhead(self._cond, driver=self._calls, slots=self._state.slots,
                                     pages=self._pages, take=self._reclaim.take_unfenced,
-                                    staging=self._staging)
+                                    staging=self._staging,
+                                    refill=self._growth.refill if self.config.free_reserve else None)
         return self._worker
 
     def wait(self) -> None:

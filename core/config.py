@@ -64,6 +64,11 @@ class KVCacheConfig:
         tuple of such sizes (e.g. ``(8, 16, 32)``) packs each hit run with the largest that fits
         an aligned start, then the smaller ones: a long prefix takes few calls and a short one
         is still packed (:attr:`pack_sizes`).
+    free_reserve : int
+        Pool pages :meth:`~vattn.core.VirtualKVCache.prewarm` leaves unmapped and the map-ahead
+        worker keeps free between steps, by unmapping idle slots' page-sets that hold nothing
+        (no block key, no other mapping): a burst of requests then grows from the free pool,
+        with no reclaim on the step's path. Needs ``map_ahead_tokens`` (the worker). Default 0.
     stream_ordered : bool
         ``True`` when all device work the caller's thread enqueues after
         :meth:`~vattn.core.VirtualKVCache.release` is ordered after that release's fence (one
@@ -88,6 +93,7 @@ class KVCacheConfig:
     stream_ordered: bool = False
     pack_pages: int = 0
     pack_sets: int = 8
+    free_reserve: int = 0
 
     def __post_init__(self):
         if self.group_size is None and isinstance(self.num_layers, int) and self.num_layers > 0:
@@ -118,6 +124,11 @@ class KVCacheConfig:
                 or any(not isinstance(n, int) or isinstance(n, bool) or n < 2 or n & (n - 1) for n in sizes)):
             raise ConfigError(f"pack_sets must be a power of two >= 2, or a tuple of distinct ones, "
                               f"got {self.pack_sets!r}")
+        if not isinstance(self.free_reserve, int) or isinstance(self.free_reserve, bool) or self.free_reserve < 0:
+            raise ConfigError(f"free_reserve must be an int >= 0, got {self.free_reserve!r}")
+        if self.free_reserve and not self.map_ahead_tokens:
+            raise ConfigError("free_reserve needs the map-ahead worker that refills it: expected "
+                              f"map_ahead_tokens > 0 with free_reserve={self.free_reserve}, got 0")
         if not isinstance(self.stream_ordered, bool):
             raise ConfigError(f"stream_ordered must be a bool, got {self.stream_ordered!r}")
         try:

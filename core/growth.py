@@ -86,22 +86,35 @@ class Growth:
 
     def prewarm(self, tokens_per_slot: int | None, min_tokens: int) -> int:
         """Top idle slots up to ``tokens_per_slot`` (``None``: an even share of the free pool,
-        but at least ``min_tokens`` deep), lowest slot first, until the pool runs out; returns
-        the pages mapped."""
+        but at least ``min_tokens`` deep), lowest slot first, until the pool runs out (short of
+        ``free_reserve``); returns the pages mapped."""
         st = self.state
         table = st.slots
         idle = [s for s in range(st.config.max_slots) if not table.active[s] and s not in table.inflight]
         if not idle:
             return 0
-        sets = (max(st.pool.num_free // (st.layout.num_ranges * len(idle)), st.layout.pages_for(min_tokens))
+        reserve = st.config.free_reserve
+        spare = max(st.pool.num_free - reserve, 0)
+        sets = (max(spare // (st.layout.num_ranges * len(idle)), st.layout.pages_for(min_tokens))
                 if tokens_per_slot is None else st.layout.pages_for(tokens_per_slot))
         sets = min(sets, st.layout.pages_per_slot)   # a slot's region holds no more
         before = st.pool.num_free
         for slot in idle:
-            if not st.pages.grow(slot, sets, table.tenant[slot], ahead=True):
+            if (st.pool.num_free - st.pages.missing(slot, sets) < reserve
+                    or not st.pages.grow(slot, sets, table.tenant[slot], ahead=True)):
                 break
             self.loose.note(slot, 0)
         return before - st.pool.num_free
+
+    def refill(self, pages: int) -> int:
+        """Free up to ``pages`` more pool pages toward ``free_reserve``, from idle slots' page-sets
+        that hold nothing (no key, no other mapping; finished fences only: no wait); returns
+        the pages freed (0: none left to take)."""
+        st = self.state
+        want = min(pages, st.config.free_reserve - st.pool.num_free)
+        if want <= 0:
+            return 0
+        return self.reclaim.reclaim(want, {}, idle_only=True, block=False, free_only=True)
 
     def ahead_targets(self, slots: np.ndarray, lens: np.ndarray, failed: list[int]) -> dict[int, int]:
         """Page-set targets for the map-ahead worker: each slot not in ``failed`` mapped

@@ -46,12 +46,20 @@ class MapAhead:
         Prefixes to map into idle slots (:meth:`VirtualKVCache.stage_prefix`): one page-set per
         turn, planned and recorded under the lock and mapped without it, whenever no running
         slot waits for a page-set.
+    refill : callable, optional
+        ``refill(n)`` -> pages freed (at most ``n``) toward the cache's free reserve, under the
+        lock (unmaps of idle page-sets that hold nothing); called a page-set at a time when
+        nothing else waits, after :meth:`poke`, until it frees nothing (then not before the
+        next :meth:`poke`).
     """
 
     def __init__(self, cond: threading.Condition, *, driver, slots: SlotTable, pages: SlotPages,
-                 take: Callable[[int], list[int] | None], staging: Staging | None = None):
+                 take: Callable[[int], list[int] | None], staging: Staging | None = None,
+                 refill: Callable[[int], int] | None = None):
         self.cond, self.driver, self.slots, self.pages, self.take = cond, driver, slots, pages, take
         self.staging = staging
+        self.refill = refill
+        self._refilling = False              # poked: refill until it frees nothing
         self.jobs: dict[int, int] = {}       # slot -> target page-sets
         self.busy = False
         self.stopping = False
@@ -65,12 +73,19 @@ class MapAhead:
                 self.jobs[slot] = target
         self.cond.notify_all()
 
+    def poke(self) -> None:
+        """An engine step went by: refill the free reserve, if there is one (caller holds the
+        cache lock)."""
+        if self.refill is not None and not self._refilling:
+            self._refilling = True
+            self.cond.notify_all()
+
     def cancel(self, slot: int) -> None:
         """Drop ``slot``'s target (its request ended; caller holds the cache lock)."""
         self.jobs.pop(slot, None)
 
     def idle(self) -> bool:
-        return not self.jobs and not self.busy and not self._staged()
+        return not self.jobs and not self.busy and not self._staged() and not self._refilling
 
     def _held(self) -> bool:
         """Calls a deferral window queued wait to be made: plan nothing (a page-set planned now
@@ -90,7 +105,8 @@ class MapAhead:
         self.driver.bind_thread()
         while True:
             with self.cond:
-                while ((not self.jobs and not self._staged()) or self._held()) and not self.stopping:
+                while ((not self.jobs and not self._staged() and not self._refilling) or self._held()) \
+                        and not self.stopping:
                     self.cond.wait()
                 if self.stopping:
                     return
@@ -99,6 +115,10 @@ class MapAhead:
                     plan = self.staging.plan_step()
                     if plan is None:                   # that job ended: the next one
                         continue
+                if plan is None and self._refilling:   # then the free reserve, a page-set a turn
+                    self._refilling = self.refill(self.pages.num_ranges) > 0
+                    self.cond.notify_all()
+                    continue
                 self.busy = plan is not None
                 if plan is None:
                     self.cond.notify_all()

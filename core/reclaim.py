@@ -70,17 +70,17 @@ class Reclaim:
                    for pages in st.pages.mapped[s] if len(pages) > k)
 
     def reclaim(self, want: int, protect: dict[int, int], *, idle_only: bool = False,
-                block: bool = True, margin: int = 0) -> int:
+                block: bool = True, margin: int = 0, free_only: bool = False) -> int:
         """Free at least ``want`` pages from :meth:`victims`, taking from each victim only the
         page-sets still needed; ``block=False`` skips victims whose fence has not completed.
 
         With block keys bound, a first pass unmaps only page-sets whose pages nothing else holds
         (unmapping a bound page-set frees nothing); a second pass unmaps through bound ones to
-        reach free-able page-sets below them."""
+        reach free-able page-sets below them (``free_only``: not that pass)."""
         st, freed = self.state, 0
         slots, keeps = self.victims(protect, idle_only=idle_only, margin=margin)
         retire = block and st.config.stream_ordered
-        for only_free in ((True, False) if len(st.keys) else (False,)):
+        for only_free in ((True,) if free_only else (True, False)) if len(st.keys) else (False,):
             for wait in ((False, True) if block else (False,)):   # finished fences first, then wait
                 for slot, keep in zip(slots.tolist(), keeps.tolist()):
                     if freed >= want:

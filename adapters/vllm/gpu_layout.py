@@ -14,10 +14,10 @@ import os
 import torch
 
 from vattn.core import KVCacheConfig, layout_report
-from vattn.core.config import engine_group_size, env_flag
+from vattn.core.config import engine_group_size, env_flag, env_int
 from vattn.core.errors import ConfigError, UnsupportedError
 
-__all__ = ["PAGE_BYTES", "KV_TILE", "EXACT_ENV", "EXACT_MARGIN", "PACK_MB_DEFAULT", "exact_kernel_path",
+__all__ = ["PAGE_BYTES", "KV_TILE", "EXACT_ENV", "EXACT_MARGIN", "PACK_MB_DEFAULT", "FREE_RESERVE_ENV", "free_reserve_sets", "exact_kernel_path",
            "default_group_size", "group_size_for", "tokens_per_page", "block_size_for_vllm", "cache_config",
            "check_engine_config", "check_kv_cache_config"]
 
@@ -45,6 +45,9 @@ EXACT_MARGIN = 16
 #: and decode-heavy unchanged (BENCHMARKS.md). Prefix staging, which maps page by page, is off by
 #: default beside it (``VATTN_STAGE_PREFIXES=1`` turns it on; it did not move the GPU runs).
 PACK_MB_DEFAULT = 1024
+#: page-sets of the pool left free at start and refilled by the map-ahead worker between steps
+#: (``KVCacheConfig.free_reserve``; :func:`free_reserve_sets`, default 0: none)
+FREE_RESERVE_ENV = "VATTN_FREE_RESERVE"
 
 
 def exact_kernel_path() -> bool:
@@ -109,6 +112,24 @@ def block_size_for_vllm(vllm_config) -> int:
                            group_size=group_size_for(model.get_num_layers(par)))
 
 
+def free_reserve_sets(num_blocks: int) -> int:
+    """Page-sets to keep free for the steps that admit a burst: ``$VATTN_FREE_RESERVE`` (default
+    0, off until a GPU run measures it: on the host replay it takes the first burst's reclaim
+    off the step's path — 18 % of the shared-prefix burst's bookkeeping at 128 page-sets — but
+    its refill unmaps the loose page-sets a repeated generation's moves would use, which then
+    map new pages; two steps of ``max_num_batched_tokens`` is the size to try).
+
+    Raises
+    ------
+    ConfigError
+        More than half of vLLM's blocks.
+    """
+    sets = env_int(FREE_RESERVE_ENV, 0, minimum=0)
+    if sets > num_blocks // 2:
+        raise ConfigError(f"{FREE_RESERVE_ENV} must be at most half of vLLM's {num_blocks} blocks, got {sets}")
+    return sets
+
+
 def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  num_blocks: int, max_num_reqs: int, max_model_len: int, device: str,
                  group_size: int | None = None, exact: bool = False, pack_mb: int = 0,
@@ -133,7 +154,8 @@ def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
     flight (their old mapping is unmapped once it completes). ``pack_mb`` (``$VATTN_PACK_MB``):
     device memory beyond vLLM's blocks for packs of shared runs of ``pack_sets`` page-sets
     (``$VATTN_PACK_SETS``; one map call per range for a hit on them instead of one per page;
-    docs/shared-prefix-packs.md), 0: off.
+    docs/shared-prefix-packs.md), 0: off. The free reserve (:func:`free_reserve_sets`, off by
+    default): page-sets a burst grows into from the free pool, no reclaim on the step's path.
     """
     group = group_size_for(num_layers) if group_size is None else group_size
     block = tokens_per_page(num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, group_size=group)
@@ -145,7 +167,8 @@ def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
                          group_size=group, page_budget=num_blocks * page_set, page_bytes=PAGE_BYTES,
                          device=device, map_ahead_tokens=block,
                          stream_ordered=torch.device(device).type == "cuda",
-                         pack_pages=pack_mb * 2**20 // PAGE_BYTES, pack_sets=pack_sets)
+                         pack_pages=pack_mb * 2**20 // PAGE_BYTES, pack_sets=pack_sets,
+                         free_reserve=free_reserve_sets(num_blocks) * (num_layers // group))
 
 
 def check_engine_config(vllm_config) -> None:

@@ -19,8 +19,9 @@ for packs of shared runs, ``vattn:p0`` without packs (``VATTN_PACK_MB``; the GPU
 default: 1,024 with prefix caching on); ``vattn:d0`` / ``vattn:d1`` with a step's VMM calls made
 before the forward / deferred into it (``VATTN_DEFER_MAPPING``; the GPU runner's default: on
 where the engine's graphs allow it); ``vattn:w0`` without the CUDA events that time the device's
-idle time behind vattn's step (``VATTN_DEVICE_WAIT=0``: they release the GIL). Variants
-combine: ``vattn:g2:p0``.
+idle time behind vattn's step (``VATTN_DEVICE_WAIT=0``: they release the GIL); ``vattn:r0`` /
+``vattn:rN`` with no / ``N`` page-sets kept free for bursts (``VATTN_FREE_RESERVE``; the GPU
+runner's default: none). Variants combine: ``vattn:g2:p0``.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ class VllmRunner:
         env.pop("VATTN_PACK_MB", None)
         env.pop("VATTN_DEFER_MAPPING", None)
         env.pop("VATTN_DEVICE_WAIT", None)
+        env.pop("VATTN_FREE_RESERVE", None)
         run = spec.get("run_name", spec["mode"])
         if env.get("VATTN_STEP_TRACE"):
             env["VATTN_RUN_NAME"] = run              # names the engine's step trace
@@ -143,6 +145,8 @@ class VllmRunner:
             env["VATTN_DEFER_MAPPING"] = _switch(run, "d")
         if _switch(run, "w") is not None:
             env["VATTN_DEVICE_WAIT"] = _switch(run, "w")
+        if _switch(run, "r") is not None:
+            env["VATTN_FREE_RESERVE"] = _switch(run, "r")
         if spec["mode"] in ("vattn", "vattn-exact"):
             env["VATTN_VLLM"] = "1"
             env["VATTN_VLLM_EXACT"] = "1" if spec["mode"] == "vattn-exact" else "0"
@@ -162,8 +166,9 @@ def _base(mode: str) -> str:
     ``vattn:g2`` (or ``vattn:g2@2``) -> ``vattn``: the vattn mode with another layer group size;
     ``vattn:s0`` / ``vattn:s1`` -> ``vattn`` with prefix staging off / on; ``vattn:p1024`` ->
     ``vattn`` with 1,024 MiB for packs; ``vattn:d0`` / ``vattn:d1`` -> ``vattn`` with deferred
-    mapping off / on; ``vattn:w0`` -> ``vattn`` without the device-idle events (variants
-    combine: ``vattn:g2:s0``)."""
+    mapping off / on; ``vattn:w0`` -> ``vattn`` without the device-idle events; ``vattn:r0`` /
+    ``vattn:r256`` -> ``vattn`` with no / 256 page-sets of free reserve (variants combine:
+    ``vattn:g2:s0``)."""
     base, _, again = mode.partition("@")
     if again and not again.isdigit():
         return mode
@@ -175,7 +180,7 @@ def _base(mode: str) -> str:
     return base
 
 
-_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+|d[01]|w[01]")
+_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+|d[01]|w[01]|r[0-9]+")
 
 
 def _variants(mode: str) -> list[str]:

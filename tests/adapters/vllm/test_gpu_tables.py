@@ -484,3 +484,16 @@ def test_device_wait_env_is_a_checked_switch(monkeypatch):
     monkeypatch.setenv("VATTN_DEVICE_WAIT", "no")
     with pytest.raises(ConfigError, match="VATTN_DEVICE_WAIT must be 0 or 1"):
         _runtime(prefix_caching=True)
+
+
+def test_the_free_reserve_comes_from_its_variable_in_page_sets(monkeypatch):
+    """``VATTN_FREE_RESERVE`` page-sets (off by default) become the cache's reserve in pages, one
+    per range; more than half of vLLM's blocks is refused by name."""
+    kw = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, num_blocks=12,
+              max_num_reqs=3, max_model_len=4000, device="cpu", group_size=2)
+    assert gl.cache_config(**kw).free_reserve == 0
+    monkeypatch.setenv("VATTN_FREE_RESERVE", "3")
+    assert gl.cache_config(**kw).free_reserve == 3 * 2
+    monkeypatch.setenv("VATTN_FREE_RESERVE", "7")
+    with pytest.raises(ConfigError, match="VATTN_FREE_RESERVE must be at most half of vLLM's 12 blocks, got 7"):
+        gl.cache_config(**kw)
