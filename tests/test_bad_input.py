@@ -260,6 +260,10 @@ CASES = [
          "pack_pages must be an int >= 0", lambda: _config(pack_pages=-8)),
     Case("config-pack-sets-not-power-of-two", "KVCacheConfig", "pack_sets=6", ConfigError,
          "pack_sets must be a power of two >= 2", lambda: _config(pack_sets=6)),
+    Case("config-free-reserve-negative", "KVCacheConfig", "free_reserve=-2", ConfigError,
+         "free_reserve must be an int >= 0", lambda: _config(free_reserve=-2)),
+    Case("config-free-reserve-no-worker", "KVCacheConfig", "free_reserve=8 with map_ahead_tokens=0",
+         ConfigError, "free_reserve needs the map-ahead worker", lambda: _config(free_reserve=8, map_ahead_tokens=0)),
     Case("config-device-tpu", "KVCacheConfig", 'device="tpu"', ConfigError,
          "device must be 'cpu' or 'cuda[:N]'", lambda: _config(device="tpu")),
     # -- VirtualKVCache(config), get_driver ----------------------------------------------------------
