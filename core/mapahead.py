@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from .errors import DriverError
 from .paging import PendingSet, SlotPages
 from .staging import Staging
 from .state import SlotTable
@@ -116,7 +117,10 @@ class MapAhead:
                     if plan is None:                   # that job ended: the next one
                         continue
                 if plan is None and self._refilling:   # then the free reserve, a page-set a turn
-                    self._refilling = self.refill(self.pages.num_ranges) > 0
+                    try:
+                        self._refilling = self.refill(self.pages.num_ranges) > 0
+                    except DriverError:                # counted; the record stays exact: try
+                        self._refilling = False        # again at the next poke
                     self.cond.notify_all()
                     continue
                 self.busy = plan is not None

@@ -79,3 +79,26 @@ def test_a_refill_never_unmaps_a_cached_block():
         assert {s: cache.mapped_tokens(s) for s in idle} == mapped
         assert cache._pool.num_free < 8 * ranges
         cache.audit()
+
+
+def test_a_refill_whose_unmap_fails_stops_until_the_next_step_and_the_worker_lives_on():
+    from vattn.core.driver import FaultInjector
+    from vattn.core.driver.host import HostDriver
+    ranges = 2
+    drv = FaultInjector(HostDriver(granularity=64 << 10))
+    with make_cache(free_reserve=6 * ranges, map_ahead_tokens=T, driver=drv) as cache:
+        cache.prewarm()
+        slots = [cache.acquire() for _ in range(cache.config.max_slots)]
+        cold = next(s for s in slots if cache.mapped_tokens(s) == 0)
+        for s in slots:
+            if s != cold:
+                cache.release(s)
+        drv.arm_rate("unmap", 1.0)                            # every unmap fails from now on
+        cache.step({cold: 5 * T})
+        cache.wait()                                          # returns: the refill gave up
+        assert cache._pool.num_free < 6 * ranges and cache.counters.driver_faults > 0
+        drv.disarm()
+        cache.step({cold: 5 * T})                             # the next step pokes it again
+        cache.wait()
+        assert cache._pool.num_free >= 6 * ranges
+        cache.audit()
