@@ -111,7 +111,11 @@ class MapAhead:
                     self.cond.wait()
                 if self.stopping:
                     return
-                plan = self._plan_next()
+                try:
+                    plan = self._plan_next()
+                except DriverError:                    # an unmap of its reclaim failed: counted,
+                    self.jobs.clear()                  # the record exact; the next step asks again
+                    plan = None
                 if plan is None and self._staged():    # running slots first, then staging
                     plan = self.staging.plan_step()
                     if plan is None:                   # that job ended: the next one

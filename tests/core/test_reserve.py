@@ -1,6 +1,7 @@
 """The free reserve (``KVCacheConfig.free_reserve``): pool pages pre-warm leaves unmapped and the
 map-ahead worker refills between steps from idle page-sets that hold nothing, so a burst grows
-from the free pool with no reclaim on the step's path."""
+from the free pool with no reclaim on the step's path; and the worker living on when a driver
+call of its reclaim or refill fails."""
 
 import pytest
 
@@ -101,4 +102,29 @@ def test_a_refill_whose_unmap_fails_stops_until_the_next_step_and_the_worker_liv
         cache.step({cold: 5 * T})                             # the next step pokes it again
         cache.wait()
         assert cache._pool.num_free >= 6 * ranges
+        cache.audit()
+
+
+def test_a_map_ahead_whose_reclaim_fails_drops_its_jobs_and_the_worker_lives_on():
+    """The worker takes idle slots' pages when the pool is dry; an unmap failing there must not
+    end its thread (``wait`` would then never return): the jobs go, the next step asks again."""
+    from vattn.core.driver import FaultInjector
+    from vattn.core.driver.host import HostDriver
+    drv = FaultInjector(HostDriver(granularity=64 << 10))
+    with make_cache(map_ahead_tokens=T, driver=drv, page_budget=60 * (64 << 10)) as cache:
+        cache.prewarm()                                       # 4 slots warm, 10 pages left free
+        slots = [cache.acquire() for _ in range(cache.config.max_slots)]
+        cold = next(s for s in slots if cache.mapped_tokens(s) == 0)
+        for s in slots:
+            if s != cold:
+                cache.release(s)
+        assert cache.ensure({cold: 5 * T}) == [] and cache._pool.num_free == 0
+        drv.arm_rate("unmap", 1.0)
+        cache.step({cold: 5 * T})                             # map-ahead of the next: reclaim fails
+        cache.wait()
+        assert cache.counters.driver_faults > 0 and cache.mapped_tokens(cold) == 5 * T
+        drv.disarm()
+        cache.step({cold: 5 * T})
+        cache.wait()
+        assert cache.mapped_tokens(cold) >= 6 * T
         cache.audit()
