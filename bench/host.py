@@ -85,8 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and of the first range's (still before the forward)")
     parser.add_argument("--free-reserve", type=argtypes.non_negative_int, default=0,
                         help="with --stage-prefixes (the map-ahead worker): page-sets pre-warm leaves "
-                             "free and the worker refills between steps (VATTN_FREE_RESERVE; vLLM's GPU "
-                             "runner: two steps of max_num_batched_tokens); default 0: none")
+                             "free and the worker refills between steps (VATTN_FREE_RESERVE, off by default "
+                             "in vLLM's GPU runner); default 0: none")
     parser.add_argument("--warm-up", action="store_true",
                         help="with the scheduler: before the generations, one untimed request of the "
                              "first prompt for 2 tokens, as the engine stages warm up (a shared "

@@ -35,10 +35,10 @@ from .metrics import Counters
 
 __all__ = ["DeferredCalls", "DeferredCallError", "LaterFence"]
 
-#: the driver's other calls that touch what a queued call may name (a handle, the reservation,
-#: mapped memory): whatever is queued is made before them (``create`` and ``reserve`` make something new; the
+#: the driver's other calls that touch what a queued call may name (a handle, the reservation):
+#: whatever is queued is made before them (``create`` and ``reserve`` make something new; the
 #: calls a window queues, and fences, have methods of their own below)
-_ORDERED = frozenset(("release", "free_va", "copy"))
+_ORDERED = frozenset(("release", "free_va"))
 
 
 class DeferredCallError(DriverError):
@@ -182,6 +182,12 @@ class DeferredCalls:
     def zero(self, va: int, nbytes: int) -> None:
         """Queued like a map (a scrub: ordered on the stream before the layer that reads it)."""
         self._call("zero", va, nbytes)
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """A copy through mapped memory: what is queued is made first (inside :meth:`issue`, as a
+        queued copy, it goes straight through)."""
+        self._drain()
+        self.inner.copy(dst, src, nbytes)
 
     def record_fence(self):
         """A fence after the work issued so far. Inside the window: one recorded where the

@@ -45,8 +45,7 @@ class SlotTable:
 
     def read_sets(self, slot: int) -> int:
         """:meth:`num_read_sets` of one slot, in plain ints (the per-bind checks)."""
-        lay = self.layout
-        return max(-(-int(self.length[slot]) * lay.token_bytes // lay.page_bytes), int(self.bound_sets[slot]))
+        return max(self.layout.pages_for(int(self.length[slot])), int(self.bound_sets[slot]))
 
     def num_read_sets(self, slots):
         """Page-sets the requests in ``slots`` (one slot, a slice or an index array) read: those

@@ -12,13 +12,14 @@ JSON object; nothing is recorded unless the variable is set (:func:`from_env`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 
 from .errors import ConfigError
 
-__all__ = ["StepTrace", "from_env", "STEP_TRACE_ENV", "COUNTERS"]
+__all__ = ["StepTrace", "from_env", "section", "STEP_TRACE_ENV", "COUNTERS"]
 
 #: The environment variable naming the trace file.
 STEP_TRACE_ENV = "VATTN_STEP_TRACE"
@@ -132,3 +133,20 @@ def from_env(counters, *, header: dict | None = None, environ=None) -> StepTrace
     if profile not in ("0", "1"):
         raise ConfigError(f"VATTN_STEP_PROFILE: expected 0 or 1, got {profile!r}")
     return StepTrace(path, counters, header=header, profile=profile == "1") if path else None
+
+
+@contextlib.contextmanager
+def section(trace: StepTrace | None, wait, **fields):
+    """An adapter's host section of one engine step: ``wait`` (a
+    :class:`~vattn.core.device_wait.DeviceWait`) times the device's idle time behind it and, with
+    ``trace``, it is a row carrying ``fields`` and whether the device was still busy at its start."""
+    wait.begin()
+    if trace is not None:
+        trace.begin()
+        fields["busy"] = wait.busy()
+    try:
+        yield
+    finally:
+        wait.end()
+        if trace is not None:
+            trace.end(**fields)

@@ -316,19 +316,10 @@ class RowSlots:
         """
         if self.req_to_token is None:
             raise ConfigError("RowSlots.prepare before attach(req_to_token_pool)")
-        if self.trace is None:
+        with step_trace.section(self.trace, self.device_wait, steps=len(seq_lens),
+                                binds=len(seq_lens) if prefix_lens is not None else 0):
             with self.cache.deferred() if self.defer_mapping else contextlib.nullcontext():
                 return self._prepare(rows, seq_lens, prefix_lens, rids)
-        self.trace.begin()
-        self.device_wait.begin()
-        fields = {"busy": self.device_wait.busy(), "steps": len(seq_lens),
-                  "binds": len(seq_lens) if prefix_lens is not None else 0}
-        try:
-            with self.cache.deferred() if self.defer_mapping else contextlib.nullcontext():
-                return self._prepare(rows, seq_lens, prefix_lens, rids)
-        finally:
-            self.device_wait.end()
-            self.trace.end(**fields)
 
     def ready(self, layer: int | None = None) -> None:
         """Make the VMM calls :meth:`prepare` deferred for the ranges ``layer`` reads (and those

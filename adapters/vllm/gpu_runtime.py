@@ -184,16 +184,10 @@ class GpuRuntime:
             and vattn's page pool disagree (a bug), not memory pressure.
         """
         start = time.perf_counter()
-        self.device_wait.begin()
-        if self.trace is not None:
-            self.trace.begin()
-            traced = {"binds": len(self._binds), "copies": len(self._copies), "steps": len(self._pending),
-                      "busy": self.device_wait.busy()}
-        with self.cache.deferred() if self.defer_mapping else contextlib.nullcontext():
-            self._apply()
-        self.device_wait.end()
-        if self.trace is not None:
-            self.trace.end(**traced)
+        with step_trace.section(self.trace, self.device_wait, binds=len(self._binds),
+                                copies=len(self._copies), steps=len(self._pending)):
+            with self.cache.deferred() if self.defer_mapping else contextlib.nullcontext():
+                self._apply()
         self.step_us.observe((time.perf_counter() - start) * 1e6)
         if self.snapshots is not None:
             self.snapshots.step()

@@ -118,3 +118,19 @@ def test_a_section_that_waits_shows_less_cpu_than_host_time(tmp_path):
     waited, computed = trace.rows
     assert (waited["t1"] - waited["t0"]) * 1e3 >= 45 and waited["cpu_ms"] < 10
     assert computed["cpu_ms"] >= 29 and computed["cpu_ms"] <= (computed["t1"] - computed["t0"]) * 1e3 + 1
+
+
+def test_section_is_one_row_with_its_fields_even_when_the_step_fails(tmp_path):
+    """``section``: the device-idle events around the body and, with a trace, one row with the
+    given fields and ``busy`` (``None`` without device events) — also when the body raises."""
+    from vattn.core.device_wait import DeviceWait
+    trace = StepTrace(str(tmp_path / "t.json"), lambda: _counters())
+    wait = DeviceWait(False)
+    with step_trace.section(trace, wait, binds=2):
+        pass
+    with pytest.raises(RuntimeError, match="boom"):
+        with step_trace.section(trace, wait, binds=0):
+            raise RuntimeError("boom")
+    with step_trace.section(None, wait, binds=9):     # no trace: nothing recorded
+        pass
+    assert [(r["binds"], r["busy"]) for r in trace.rows] == [(2, None), (0, None)]
