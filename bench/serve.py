@@ -41,7 +41,7 @@ from .serve_clients import (DATASETS, ClientError, Workload, check_vllm_version,
 from .serve_engines import ENGINES, MODES, Server, server_command, free_port
 from .serve_report import markdown, plot
 
-__all__ = ["add_arguments", "add_server_arguments", "run", "order", "prepare_model", "run_rounds",
+__all__ = ["add_arguments", "add_server_arguments", "run", "order", "modes_of", "prepare_model", "run_rounds",
            "rate", "device_for", "sigterm_raises"]
 
 
@@ -75,6 +75,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
     parser.add_argument("--dataset", choices=DATASETS, default="random")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="the modes of every round, in order (default: stock vattn; one of them "
+                             "alone re-runs that side, with no ratio in the report)")
     parser.add_argument("--rounds", type=argtypes.positive_int, default=2,
                         help="rounds of (stock, vattn), each a fresh server per mode")
     parser.add_argument("--rate", type=rate, default=8.0, help="requests/s (Poisson), or inf")
@@ -109,6 +112,23 @@ def order(rounds: int, modes=MODES) -> list[tuple[int, str]]:
     if rounds < 1:
         raise ConfigError(f"rounds must be >= 1, got {rounds}")
     return [(r, mode) for r in range(1, rounds + 1) for mode in modes]
+
+
+def modes_of(args) -> tuple[str, ...]:
+    """``--modes`` (default every mode of :data:`MODES`), each at most once.
+
+    Raises
+    ------
+    ConfigError
+        A mode named twice, or none.
+    """
+    modes = tuple(getattr(args, "modes", None) or MODES)
+    if len(set(modes)) != len(modes):
+        raise ConfigError(f"--modes: expected each mode at most once, got {' '.join(modes)}")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ConfigError(f"--modes: expected some of {', '.join(MODES)}, got {' '.join(unknown)}")
+    return modes
 
 
 def check_engine(engine: str, python: str) -> str:
@@ -209,15 +229,16 @@ def run_rounds(args, model: str, workload: Workload, device: str, *, log=print,
     notes)`` is called after each run (the results so far survive an interruption)."""
     rows, notes, took = [], [], []
     start = time.monotonic()
-    runs = order(args.rounds)
+    modes = modes_of(args)
+    runs = order(args.rounds, modes)
     for i, (rnd, mode) in enumerate(runs):
-        if args.budget_s is not None and mode == MODES[0] and took:
+        if args.budget_s is not None and mode == modes[0] and took:
             left = args.budget_s - (time.monotonic() - start)
-            need = len(MODES) * max(took)
+            need = len(modes) * max(took)
             if need > left:
                 skipped = sorted({r for r, _ in runs[i:]})
                 notes.append(f"rounds {skipped} skipped: a round needs about {need:.0f} s "
-                             f"(the slowest run so far x {len(MODES)}), {left:.0f} s of the "
+                             f"(the slowest run so far x {len(modes)}), {left:.0f} s of the "
                              f"{args.budget_s:.0f} s budget were left")
                 log(notes[-1])
                 break
@@ -330,13 +351,14 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "profile_steps", 0) and args.engine != "vllm":
         raise ConfigError(f"--profile-steps: expected --engine vllm (its server's torch profiler), "
                           f"got --engine {args.engine}")
+    modes = modes_of(args)
     version = check_engine(args.engine, args.python)
     workload = _workload(args)
     os.makedirs(args.out, exist_ok=True)
     device = device_for(args.device)
     model = prepare_model(args)
     meta = {"engine": args.engine, "engine_version": version, "device": device, "model": model,
-            "workload": workload.__dict__, "rounds": args.rounds, "like_for_like": args.like_for_like,
+            "workload": workload.__dict__, "modes": list(modes), "rounds": args.rounds, "like_for_like": args.like_for_like,
             "engine_args": args.engine_args, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     w = workload
     title = (f"{args.engine} {version} serve, {os.path.basename(model)}, {w.dataset} "

@@ -47,8 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alias-chunk", type=argtypes.positive_int, default=1,
                         help="pages per physical allocation of the aliasing table, each mapped with "
                              "one call (must divide --alias-pages; 1: one call per page, as vattn maps)")
-    parser.add_argument("--only", choices=("busy", "alias"), default=None,
-                        help="only the calls-while-busy table or only the aliasing table")
+    parser.add_argument("--only", choices=("busy", "alias", "contended"), default=None,
+                        help="only the calls-while-busy table, the aliasing table, or the table of "
+                             "each call with a Python thread busy beside it (GIL contention)")
     parser.add_argument("--benchmarks", default="BENCHMARKS.md", help="file to write the section to")
     parser.add_argument("--json", default=None, help="also write the raw numbers here")
 
@@ -208,6 +209,16 @@ def _busy(args) -> tuple[dict, str] | None:
     return {"idle": idle, "busy": busy, "busy_ms": args.busy_ms, "launch_stalls": list(stalls.values())}, body
 
 
+def _contended(args) -> tuple[list, str]:
+    """The GIL-contention table: every driver path of the device (:mod:`.vmm_gil`)."""
+    from .vmm_gil import contended, drivers, markdown, torch_calls
+    dev = torch.device(args.device)
+    rows = [(label, contended(drv, pages=min(args.pages, 16), sync=lambda: _sync(dev),
+                              extras=torch_calls(args.device) if i == 0 else None))
+            for i, (label, drv) in enumerate(drivers(args.device))]
+    return rows, markdown(rows)
+
+
 def run(args) -> int:
     page = get_driver(args.device).granularity          # UnsupportedError if the backend is missing
     check_fits(f"--pages {args.pages}", args.pages * page, args.device, hint="pass a smaller --pages")
@@ -236,13 +247,15 @@ def run(args) -> int:
         rows = alias_throughput(args.device, pages=args.alias_pages, regions=args.alias_regions,
                                 threads=list(args.alias_threads), chunk=args.alias_chunk)
         alias = rows, markdown(rows, page)
+    contended = _contended(args) if only in (None, "contended") else None
     body = "\n\n".join(([_markdown(lat, loops, args)] if lat else []) + ([busy[1]] if busy else []) +
-                        ([alias[1]] if alias else []))
+                        ([alias[1]] if alias else []) + ([contended[1]] if contended else []))
     print(body)
     title = f"vmm ({'CUDA' if args.device.startswith('cuda') else 'host'} backend)"
     write_section(title, body, command_line(), path=args.benchmarks)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"latency": lat, "decode": loops, "busy": busy[0] if busy else None,
-                       "alias": alias[0] if alias else None}, f, indent=2)
+                       "alias": alias[0] if alias else None,
+                       "contended": contended[0] if contended else None}, f, indent=2)
     return 0

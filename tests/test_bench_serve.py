@@ -395,3 +395,19 @@ def test_vattn_counters_come_from_the_newest_snapshot_and_show_in_the_report(tmp
     line = next(l for l in text.splitlines() if l.startswith("| 1 | apply"))
     assert line == "| 1 | apply 0.5, on_blocks 0.1 | 50 | 90 | 3 | 7 | 16 | 8 | 2 | 5 | – |", line
     assert "| 2 | none written |" in text
+
+
+def test_modes_run_alone_or_reordered_and_are_checked(monkeypatch):
+    calls = []
+    monkeypatch.setattr(serve, "_one_run", lambda args, m, w, d, rnd, mode: calls.append((rnd, mode)) or _row(rnd, mode))
+    args = type("A", (), {"rounds": 2, "budget_s": None, "modes": ["vattn"]})()
+    rows, _ = serve.run_rounds(args, "m", None, "cpu", log=lambda *_: None)
+    assert calls == [(1, "vattn"), (2, "vattn")] and len(rows) == 2
+    assert "| requests/s ↑ | – |" in serve_report.markdown(rows)       # no stock: no ratio
+    calls.clear()
+    args.modes = ["vattn", "stock"]
+    serve.run_rounds(args, "m", None, "cpu", log=lambda *_: None)
+    assert calls == [(1, "vattn"), (1, "stock"), (2, "vattn"), (2, "stock")]
+    args.modes = ["vattn", "vattn"]
+    with pytest.raises(ConfigError, match="at most once"):
+        serve.run_rounds(args, "m", None, "cpu", log=lambda *_: None)

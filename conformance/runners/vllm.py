@@ -21,7 +21,9 @@ before the forward / deferred into it (``VATTN_DEFER_MAPPING``; the GPU runner's
 where the engine's graphs allow it); ``vattn:w0`` without the CUDA events that time the device's
 idle time behind vattn's step (``VATTN_DEVICE_WAIT=0``: they release the GIL); ``vattn:r0`` /
 ``vattn:rN`` with no / ``N`` page-sets kept free for bursts (``VATTN_FREE_RESERVE``; the GPU
-runner's default: none). Variants combine: ``vattn:g2:p0``.
+runner's default: none); ``vattn:h1`` / ``vattn:h0`` with the step's driver calls holding /
+releasing the GIL (``VATTN_DRIVER_GIL=hold`` / ``release``; default: release). Variants
+combine: ``vattn:g2:p0``.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ class VllmRunner:
         env.pop("VATTN_DEFER_MAPPING", None)
         env.pop("VATTN_DEVICE_WAIT", None)
         env.pop("VATTN_FREE_RESERVE", None)
+        env.pop("VATTN_DRIVER_GIL", None)
         run = spec.get("run_name", spec["mode"])
         if env.get("VATTN_STEP_TRACE"):
             env["VATTN_RUN_NAME"] = run              # names the engine's step trace
@@ -147,6 +150,8 @@ class VllmRunner:
             env["VATTN_DEVICE_WAIT"] = _switch(run, "w")
         if _switch(run, "r") is not None:
             env["VATTN_FREE_RESERVE"] = _switch(run, "r")
+        if _switch(run, "h") is not None:
+            env["VATTN_DRIVER_GIL"] = "hold" if _switch(run, "h") == "1" else "release"
         if spec["mode"] in ("vattn", "vattn-exact"):
             env["VATTN_VLLM"] = "1"
             env["VATTN_VLLM_EXACT"] = "1" if spec["mode"] == "vattn-exact" else "0"
@@ -167,7 +172,8 @@ def _base(mode: str) -> str:
     ``vattn:s0`` / ``vattn:s1`` -> ``vattn`` with prefix staging off / on; ``vattn:p1024`` ->
     ``vattn`` with 1,024 MiB for packs; ``vattn:d0`` / ``vattn:d1`` -> ``vattn`` with deferred
     mapping off / on; ``vattn:w0`` -> ``vattn`` without the device-idle events; ``vattn:r0`` /
-    ``vattn:r256`` -> ``vattn`` with no / 256 page-sets of free reserve (variants combine:
+    ``vattn:r256`` -> ``vattn`` with no / 256 page-sets of free reserve; ``vattn:h1`` -> ``vattn``
+    with the driver calls holding the GIL (variants combine:
     ``vattn:g2:s0``)."""
     base, _, again = mode.partition("@")
     if again and not again.isdigit():
@@ -180,7 +186,7 @@ def _base(mode: str) -> str:
     return base
 
 
-_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+|d[01]|w[01]|r[0-9]+")
+_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+|d[01]|w[01]|r[0-9]+|h[01]")
 
 
 def _variants(mode: str) -> list[str]:

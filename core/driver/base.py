@@ -70,7 +70,8 @@ class Driver(Protocol):
         ``unmap_spans``); the VA stays reserved."""
 
     def view(self, va: int, nbytes: int) -> torch.Tensor:
-        """A ``uint8`` tensor over ``[va, va + nbytes)`` on this driver's device."""
+        """A ``uint8`` tensor over ``[va, va + nbytes)`` on this driver's device; ``va``'s page
+        must not be mapped yet (CUDA backs it with a scratch page while torch makes the tensor)."""
 
     def zero(self, va: int, nbytes: int) -> None:
         """Zero mapped bytes, ordered before later work on the current stream."""

@@ -6,11 +6,18 @@ arguments. The module imports ``cuda.bindings`` lazily, so ``vattn.core`` import
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from ..errors import DriverError, UnsupportedError
+from ..errors import ConfigError, DriverError, UnsupportedError
+from .cuda_direct import direct_calls
 
-__all__ = ["CudaDriver", "CudaFence"]
+__all__ = ["CudaDriver", "CudaFence", "DRIVER_GIL_ENV"]
+
+#: ``hold``: the step's VMM calls keep the GIL (:mod:`.cuda_direct`); ``release`` (default until
+#: the direct path has run on a GPU): every call through ``cuda.bindings``, which releases it
+DRIVER_GIL_ENV = "VATTN_DRIVER_GIL"
 
 
 def _bindings():
@@ -52,7 +59,7 @@ class CudaDriver:
 
     name = "cuda"
 
-    def __init__(self, device: torch.device | str | int = "cuda"):
+    def __init__(self, device: torch.device | str | int = "cuda", *, keep_gil: bool | None = None):
         self.cu = cu = _bindings()
         if not torch.cuda.is_available():
             raise UnsupportedError("the CUDA backend was asked for but torch sees no CUDA device")
@@ -75,6 +82,11 @@ class CudaDriver:
         flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
         self.granularity = int(self._call("cuMemGetAllocationGranularity",
                                           cu.cuMemGetAllocationGranularity, prop, flag))
+        if keep_gil is None:
+            keep_gil = _keep_gil_from_env()
+        #: the step's calls with the GIL held (None: through cuda.bindings); ``gil`` says which
+        self._direct, why = direct_calls(cu) if keep_gil else (None, f"{DRIVER_GIL_ENV}=release")
+        self.gil = "held" if self._direct is not None else f"released ({why})"
         self.unmap_spans = self._unmaps_spans()
         #: the current stream's handle without torch.cuda.current_stream's Python layers
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
@@ -99,6 +111,12 @@ class CudaDriver:
             for h in handles:
                 self.release(h)
             self.free_va(va, 2 * g)
+
+    def _check(self, name: str, err: int, shown: dict) -> None:
+        """A direct call's ``CUresult``: a :class:`DriverError` unless it is 0 (success)."""
+        if err:
+            _, text = self.cu.cuGetErrorName(self.cu.CUresult(err))
+            raise DriverError(name, shown, text.decode() if isinstance(text, bytes) else str(err))
 
     def _call(self, name: str, fn, *args, shown: dict | None = None):
         result = fn(*args)
@@ -128,14 +146,23 @@ class CudaDriver:
         self._call("cuMemRelease", self.cu.cuMemRelease, handle, shown={"handle": int(handle)})
 
     def map(self, va: int, size: int, handle) -> None:
+        if self._direct is not None:
+            h = int(handle)
+            err = self._direct.cuMemMap(va, size, 0, h, 0)
+            return self._check("cuMemMap", err, {"va": va, "size": size, "handle": h})
         self._call("cuMemMap", self.cu.cuMemMap, va, size, 0, handle, 0,
                    shown={"va": va, "size": size, "handle": int(handle)})
 
     def set_access(self, va: int, size: int) -> None:
+        if self._direct is not None:
+            err = self._direct.cuMemSetAccess(va, size, self._access.getPtr(), 1)
+            return self._check("cuMemSetAccess", err, {"va": va, "size": size})
         self._call("cuMemSetAccess", self.cu.cuMemSetAccess, va, size, [self._access], 1,
                    shown={"va": va, "size": size})
 
     def unmap(self, va: int, size: int) -> None:
+        if self._direct is not None:
+            return self._check("cuMemUnmap", self._direct.cuMemUnmap(va, size), {"va": va, "size": size})
         self._call("cuMemUnmap", self.cu.cuMemUnmap, va, size, shown={"va": va, "size": size})
 
     def view(self, va: int, nbytes: int) -> torch.Tensor:
@@ -154,7 +181,10 @@ class CudaDriver:
             self.release(scratch)
 
     def zero(self, va: int, nbytes: int) -> None:
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = self._raw_stream(self.device.index)
+        if self._direct is not None:
+            err = self._direct.cuMemsetD8Async(va, 0, nbytes, stream)
+            return self._check("cuMemsetD8Async", err, {"va": va, "nbytes": nbytes})
         self._call("cuMemsetD8Async", self.cu.cuMemsetD8Async, va, 0, nbytes, stream,
                    shown={"va": va, "nbytes": nbytes})
 
@@ -162,8 +192,12 @@ class CudaDriver:
         """One ``cuMemcpyDtoDAsync`` on torch's current stream (a page-set copy makes one per
         range: a driver call each, where a strided tensor copy spanning the ranges costs
         TensorIterator's 64-bit-index split into a launch per range)."""
-        self._call("cuMemcpyDtoDAsync", self.cu.cuMemcpyDtoDAsync, dst, src, nbytes,
-                   self._raw_stream(self.device.index), shown={"dst": dst, "src": src, "nbytes": nbytes})
+        stream = self._raw_stream(self.device.index)
+        if self._direct is not None:
+            err = self._direct.cuMemcpyDtoDAsync(dst, src, nbytes, stream)
+            return self._check("cuMemcpyDtoDAsync", err, {"dst": dst, "src": src, "nbytes": nbytes})
+        self._call("cuMemcpyDtoDAsync", self.cu.cuMemcpyDtoDAsync, dst, src, nbytes, stream,
+                   shown={"dst": dst, "src": src, "nbytes": nbytes})
 
     def record_fence(self) -> CudaFence:
         return CudaFence()
@@ -178,3 +212,10 @@ class CudaDriver:
 
     def close(self) -> None:
         return None
+
+
+def _keep_gil_from_env() -> bool:
+    value = os.environ.get(DRIVER_GIL_ENV, "release")
+    if value not in ("hold", "release"):
+        raise ConfigError(f"{DRIVER_GIL_ENV}: expected 'hold' or 'release', got {value!r}")
+    return value == "hold"

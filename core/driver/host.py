@@ -185,6 +185,9 @@ class HostDriver:
     # -- memory access --------------------------------------------------------------------------
     def view(self, va: int, nbytes: int) -> torch.Tensor:
         self._check_reserved("view", va, nbytes)
+        if va - va % self.granularity in self._mapped:    # CUDA maps a scratch page there
+            raise DriverError("view", {"va": va, "nbytes": nbytes}, "EINVAL",
+                              "make views before mapping: the first page is mapped")
         buf = (ctypes.c_uint8 * nbytes).from_address(va)
         return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
 

@@ -98,6 +98,7 @@ def test_host_multi_page_allocation_is_mapped_and_unmapped_only_whole():
     drv = HostDriver(granularity=1 << 16)
     g = drv.granularity
     base = drv.reserve(16 * g)
+    view = drv.view(base, 16 * g)
     try:
         four = drv.create(4 * g)
         with pytest.raises(DriverError, match="mapped whole"):
@@ -106,8 +107,8 @@ def test_host_multi_page_allocation_is_mapped_and_unmapped_only_whole():
         drv.map(base + 8 * g, 4 * g, four)               # the same pages at a second address
         drv.set_access(base, 4 * g)
         drv.set_access(base + 8 * g, 4 * g)
-        drv.view(base + 2 * g, g).fill_(7)
-        assert bool((drv.view(base + 10 * g, g) == 7).all())
+        view[2 * g:3 * g].fill_(7)
+        assert bool((view[10 * g:11 * g] == 7).all())
         with pytest.raises(DriverError, match="only whole"):
             drv.unmap(base + g, g)
         with pytest.raises(DriverError, match="still mapped"):
@@ -177,12 +178,13 @@ def _accessible_pages(drv, n: int):
     """``n`` pages of ``drv`` mapped side by side with access: ``(va, uint8 view)``, given back after."""
     g = drv.granularity
     base = drv.reserve(n * g)
+    view = drv.view(base, n * g)          # over unmapped VA, as the cache makes its views
     handles = [drv.create(g) for _ in range(n)]
     for i, h in enumerate(handles):
         drv.map(base + i * g, g, h)
     drv.set_access(base, n * g)
     try:
-        yield base, drv.view(base, n * g)
+        yield base, view
     finally:
         for i, h in enumerate(handles):
             drv.unmap(base + i * g, g)
@@ -206,3 +208,28 @@ def test_host_copy_refuses_memory_without_access_and_overlap():
     drv.unmap(base, PAGE)
     drv.release(h)
     drv.free_va(base, 3 * PAGE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keep_gil", [True, False], ids=["direct", "bindings"])
+def test_cuda_paths_with_and_without_the_gil_agree_and_fail_typed(keep_gil):
+    """The GIL-holding entry points (core/driver/cuda_direct.py) and cuda.bindings: the same
+    bytes after map / access / zero / copy, the same typed error for a bad unmap."""
+    from vattn.core.driver.cuda import CudaDriver
+    drv = CudaDriver("cuda", keep_gil=keep_gil)
+    assert (drv.gil == "held") == keep_gil
+    with _accessible_pages(drv, 2) as (base, view):
+        g = drv.granularity
+        view.fill_(9)
+        drv.zero(base + 4096, 8192)
+        drv.copy(base + g, base, 16384)
+        assert view[g + 4096:g + 12288].sum().item() == 0
+        assert view[g:g + 4096].float().mean().item() == 9 and view[g + 12288:g + 16384].float().mean().item() == 9
+        assert view[g + 16384:].float().mean().item() == 9
+        torch.cuda.synchronize()
+    spare = drv.reserve(g)
+    try:
+        with pytest.raises(DriverError, match=r"cuMemUnmap\(va=.*CUDA_ERROR"):
+            drv.unmap(spare, g)                              # nothing mapped there
+    finally:
+        drv.free_va(spare, g)

@@ -18,7 +18,8 @@
 #   VATTN_RATE_1B / VATTN_RATE_8B        requests/s (default 40 / 16: estimates near saturation,
 #                     not yet measured); VATTN_PROMPTS_1B / VATTN_PROMPTS_8B (default 800 / 320:
 #                     about 20 s of arrivals each)
-#   VATTN_ROUNDS      rounds per shape (default 2)
+#   VATTN_ROUNDS      rounds per shape (default 2); VATTN_SERVE_MODES the modes of a round
+#                     (default "stock vattn"; one alone re-runs that side, no ratio)
 #   VATTN_SERVE_ARGS  extra server arguments for both modes (e.g. "--max-num-seqs 256")
 #   VATTN_PROFILE_STEPS  vLLM: profile that many engine steps of every run (`--profile-steps`;
 #                     default 0 = off), VATTN_PROFILE_DELAY steps after the client starts
@@ -72,7 +73,7 @@ for shape in ${VATTN_SHAPES:-llama-1b-shape llama3-8b-shape}; do
   left=$(( BUDGET - ($(date +%s) - START) - 15 ))
   # shellcheck disable=SC2086
   run_stage "serve_$shape" 150 "$left" python3 -m vattn bench serve --engine "$ENGINE" \
-    --preset "$shape" --models "$VATTN_MODELS" --dataset "$DATASET" --rounds "${VATTN_ROUNDS:-2}" \
+    --preset "$shape" --models "$VATTN_MODELS" --dataset "$DATASET" --rounds "${VATTN_ROUNDS:-2}" --modes ${VATTN_SERVE_MODES:-stock vattn} \
     --rate "$rate" --num-prompts "$prompts" --input-len "${VATTN_INPUT_LEN:-1024}" \
     --output-len "${VATTN_OUTPUT_LEN:-256}" "${PREFIX[@]}" --device cuda \
     --server-timeout 300 --client-timeout 300 --budget-s "$(( left > 30 ? left - 30 : 1 ))" \

@@ -1,0 +1,73 @@
+"""The GIL-holding driver entry points (core/driver/cuda_direct.py), against stand-in functions:
+arguments reach the C function as the driver's signatures say, a driver that hands out no
+entry point leaves the caller on cuda.bindings, and the switch refuses what it does not know."""
+
+import ctypes
+import types
+
+import pytest
+
+from vattn.core.driver import cuda_direct
+from vattn.core.driver.cuda import DRIVER_GIL_ENV, _keep_gil_from_env
+from vattn.core.errors import ConfigError
+
+
+def _stand_ins(calls):
+    """C function pointers (ctypes callbacks) recording their arguments, one per signature."""
+    made = {}
+    for name, argtypes in cuda_direct.SIGNATURES.items():
+        def record(*args, _name=name):
+            calls.append((_name, args))
+            return 0 if _name != "cuMemUnmap" else 1      # CUDA_ERROR_INVALID_VALUE
+        made[name] = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(record)
+    return made
+
+
+def _fake_cu(pointers, fail=None):
+    success = object()
+
+    def get_proc_address(symbol, version, flags):
+        assert version == cuda_direct.CUDA_VERSION and flags == "legacy"
+        name = symbol.decode()
+        if name == fail:
+            return ("not found", 0, None)
+        return (success, pointers[name], "found")
+    return types.SimpleNamespace(
+        cuGetProcAddress=get_proc_address, CUresult=types.SimpleNamespace(CUDA_SUCCESS=success),
+        CUdriverProcAddress_flags=types.SimpleNamespace(CU_GET_PROC_ADDRESS_LEGACY_STREAM="legacy"))
+
+
+def test_calls_reach_the_c_function_with_64_bit_addresses_and_return_cuda_results():
+    calls = []
+    funcs = _stand_ins(calls)
+    pointers = {name: ctypes.cast(f, ctypes.c_void_p).value for name, f in funcs.items()}
+    direct, why = cuda_direct.direct_calls(_fake_cu(pointers))
+    assert why == "ok"
+    va, handle, stream = 0x7F28_A1C0_0000, 0x47E7_0820_1234, 0x5555_0000_1000
+    assert direct.cuMemMap(va, 2 << 20, 0, handle, 0) == 0
+    assert direct.cuMemUnmap(va, 2 << 20) == 1                # a failure comes back as its code
+    assert direct.cuMemcpyDtoDAsync(va + 64, va, 4096, stream) == 0
+    assert direct.cuMemsetD8Async(va, 0, 128, None) == 0
+    assert calls == [("cuMemMap", (va, 2 << 20, 0, handle, 0)), ("cuMemUnmap", (va, 2 << 20)),
+                     ("cuMemcpyDtoDAsync", (va + 64, va, 4096, stream)),
+                     ("cuMemsetD8Async", (va, 0, 128, None))]
+
+
+def test_a_driver_without_an_entry_point_keeps_the_bindings():
+    calls = []
+    funcs = _stand_ins(calls)
+    pointers = {name: ctypes.cast(f, ctypes.c_void_p).value for name, f in funcs.items()}
+    direct, why = cuda_direct.direct_calls(_fake_cu(pointers, fail="cuMemSetAccess"))
+    assert direct is None and "cuMemSetAccess" in why
+    with pytest.raises(ValueError, match="cuMemcpyDtoDAsync"):
+        cuda_direct.DirectCalls({k: v for k, v in pointers.items() if k != "cuMemcpyDtoDAsync"})
+
+
+def test_gil_switch(monkeypatch):
+    monkeypatch.delenv(DRIVER_GIL_ENV, raising=False)
+    assert _keep_gil_from_env() is False                  # the default until it ran on a GPU
+    monkeypatch.setenv(DRIVER_GIL_ENV, "hold")
+    assert _keep_gil_from_env() is True
+    monkeypatch.setenv(DRIVER_GIL_ENV, "yes")
+    with pytest.raises(ConfigError, match="expected 'hold' or 'release', got 'yes'"):
+        _keep_gil_from_env()
