@@ -26,7 +26,7 @@ from .checks import batch_arrays, check_batch, check_bind, check_index, check_le
 from .config import KVCacheConfig
 from .deferred import DeferredCalls
 from .driver import get_driver
-from .errors import ConfigError, DriverError, SlotError
+from .errors import ConfigError, DriverError, SlotError, VattnError
 from .growth import Growth
 from .keys import BlockKeys
 from .layout import KVLayout, cache_layout_row
@@ -576,6 +576,16 @@ class VirtualKVCache:
             self.wait()
             audit(self._state)
 
+    def audit_when_quiet(self) -> str | None:
+        """:meth:`audit` for a thread beside the engine's (a metrics watcher): ``None`` once it
+        passed, or why it was skipped: calls the engine's thread queued in a deferral window
+        wait for its next :meth:`issue`, and only that thread may make them."""
+        with self._cond:
+            if self._calls.foreign():
+                return "skipped: a deferral window's calls wait for the engine's next issue()"
+            self.audit()
+            return None
+
     # -- teardown and checks ---------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the worker, wait for every fence, unmap and release everything: pages, the
@@ -586,9 +596,11 @@ class VirtualKVCache:
             self._worker.stop()
         with self._cond:
             self._calls.close_window()
-            with contextlib.suppress(DriverError):  # what a window queued, before anything goes
+            # what a window queued, before anything goes (only its own thread may make it)
+            with contextlib.suppress(VattnError):
                 self._calls.issue()
-            broken = self._calls.failed is not None   # a deferred call failed: the record is wrong
+            # a deferred call failed, or none could be made here: the record is wrong
+            broken = self._calls.failed is not None or self._calls.pending > 0
             if broken:
                 self._calls.abandon()
             tolerate = contextlib.suppress(DriverError) if broken else contextlib.nullcontext()

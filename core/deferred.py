@@ -72,6 +72,7 @@ class DeferredCalls:
         self.failed: Exception | None = None
         self.failed_code = None
         self._owner: int | None = None    # the thread whose calls are queued, while a window is open
+        self._queuer: int | None = None   # the last window's thread, until its calls are made
         self._bypass: set[int] = set()    # threads that called bind_thread (the map-ahead worker)
         self.on_empty = None
         self._issuing = False             # inside issue(): the calls a job makes go straight through
@@ -85,7 +86,7 @@ class DeferredCalls:
             raise VattnError("a deferral window is open already: expected it closed (leave the "
                              "`with cache.deferred()` block) before another opens, got a second open")
         self.issue()
-        self._owner = threading.get_ident()
+        self._owner = self._queuer = threading.get_ident()
 
     def close_window(self) -> None:
         """End the window (what it queued stays queued until :meth:`issue`)."""
@@ -98,6 +99,10 @@ class DeferredCalls:
         self._check()
         if not self.pending:
             return 0
+        if self.foreign():
+            raise VattnError(f"deferred VMM calls queued by thread {self._queuer} must be made by it "
+                             f"(its CUDA context and stream), got a call from thread "
+                             f"{threading.get_ident()}")
         last = self.num_ranges - 1 if upto is None else min(upto, self.num_ranges - 1)
         start, made = time.perf_counter(), 0
         self._issuing = True
@@ -128,6 +133,13 @@ class DeferredCalls:
         if not self.pending and self.on_empty is not None:
             self.on_empty()
         return made
+
+    def foreign(self) -> bool:
+        """Whether calls are queued and the calling thread neither queued them nor is the
+        map-ahead worker's (such a thread must not make them: another thread's CUDA context
+        and current stream)."""
+        me = threading.get_ident()
+        return bool(self.pending) and me != self._queuer and me not in self._bypass
 
     def deferring(self) -> bool:
         """Whether calls wait in the queue and the calling thread's would join them."""
@@ -166,7 +178,7 @@ class DeferredCalls:
         (best effort from here on)."""
         for queue in self.queues:
             queue.clear()
-        self.pending, self.failed, self._owner = 0, None, None
+        self.pending, self.failed, self._owner, self._queuer = 0, None, None, None
         self.touched.clear()
 
     # -- the driver ------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ class MetricsFile:
         ``() -> dict``: the metrics (cache metrics plus the adapter's own).
     audit : callable, optional
         ``() -> None``, raising :class:`VattnError` on inconsistent page accounting
-        (:meth:`VirtualKVCache.audit`); run for every idle snapshot.
+        (:meth:`VirtualKVCache.audit_when_quiet`; it may return why it skipped the check
+        instead); run for every idle snapshot.
     every_s : float
         Least time between two snapshots written by :meth:`step`.
     idle_s : float, optional
@@ -88,8 +89,7 @@ class MetricsFile:
         snap |= jsonable(self.read())
         if idle and self.audit is not None:
             try:
-                self.audit()
-                snap["audit"] = "ok"
+                snap["audit"] = self.audit() or "ok"      # or why it was skipped
             except VattnError as exc:
                 snap["audit"] = f"{type(exc).__name__}: {exc}"
         tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"

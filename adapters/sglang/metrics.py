@@ -36,4 +36,4 @@ def allocator_metrics(alloc) -> dict:
 
 def metrics_file(alloc):
     """``alloc``'s :class:`~vattn.core.snapshots.MetricsFile` at ``$VATTN_METRICS``, or ``None``."""
-    return snapshots.from_env(lambda: allocator_metrics(alloc), audit=alloc.cache.audit)
+    return snapshots.from_env(lambda: allocator_metrics(alloc), audit=alloc.cache.audit_when_quiet)

@@ -136,7 +136,7 @@ class GpuRuntime:
             self.trace.header |= {"cache": self.cache.summary(prewarm_s=self.prewarm_s),
                                   "sharing": self.sharing, "staging": self.staging}
         #: ``$VATTN_METRICS`` snapshots (each step, and with the page audit once idle for 1 s)
-        self.snapshots = snapshots.from_env(self.snapshot, audit=self.cache.audit, idle_s=1.0)
+        self.snapshots = snapshots.from_env(self.snapshot, audit=self.cache.audit_when_quiet, idle_s=1.0)
 
     # -- host side ---------------------------------------------------------------------------
     def on_blocks(self, index: int, num_blocks: int, *, new_request: bool, block_ids=(),

@@ -123,7 +123,7 @@ class VattnRuntime:
         #: pass it when the TP group has more than one rank), so all ranks leave the same rows out
         self.exchange = exchange
         #: ``$VATTN_METRICS`` snapshots (each step, and with the page audit once idle for 1 s)
-        self.snapshots = snapshots.from_env(self.snapshot, audit=self.cache.audit, idle_s=1.0)
+        self.snapshots = snapshots.from_env(self.snapshot, audit=self.cache.audit_when_quiet, idle_s=1.0)
 
     @property
     def counts(self) -> dict:

@@ -320,3 +320,46 @@ def test_a_pack_build_in_a_window_waits_for_its_ranges():
         assert same(cache, mover, 0, ST, 3)
         _record_matches(cache)
         cache.audit()
+
+
+def _in_thread(fn):
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except Exception as exc:        # noqa: BLE001 - handed back to the test
+            out["error"] = exc
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(10)
+    return out
+
+
+def test_a_thread_beside_the_engine_never_makes_its_queued_calls():
+    """A metrics watcher's idle audit found a window's calls queued (an engine warming up for
+    seconds between steps) and made them on its own thread, where CUDA has no context and another
+    current stream: the engine died at start. Now only the thread that queued them makes them;
+    the watcher's audit says it skipped, a stray issue is a typed error, close() still tears down."""
+    cache = _cache()
+    host = _host(cache)
+    try:
+        with cache.deferred():
+            slot = cache.acquire()
+            cache.ensure({slot: 3 * T - 8})
+        queued = cache.calls_queued
+        assert queued > 0
+        out = _in_thread(cache.audit_when_quiet)
+        assert out["value"].startswith("skipped") and cache.calls_queued == queued
+        out = _in_thread(cache.issue)
+        assert isinstance(out["error"], VattnError) and "must be made by it" in str(out["error"])
+        assert cache.calls_queued == queued and not host.is_mapped(cache._pages.va(0, slot, 2))
+        assert cache.issue() == queued                   # the engine's thread makes them
+        assert _in_thread(cache.audit_when_quiet) == {"value": None}
+        _record_matches(cache)
+        with cache.deferred():
+            cache.ensure({slot: 4 * T})
+        assert cache.calls_queued > 0
+    finally:
+        _in_thread(cache.close)                          # from another thread: best effort, no raise
+    assert cache._closed

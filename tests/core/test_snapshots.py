@@ -49,6 +49,8 @@ def test_idle_snapshot_carries_the_audit_verdict(tmp_path):
     m.idle()
     snap = read_snapshot(m.path)
     assert snap["idle"] is True and snap["audit"].startswith("VattnError: page 3")
+    skipped = MetricsFile(str(tmp_path / "s.json"), lambda: {"x": 1}, audit=lambda: "skipped: busy")
+    assert skipped.write(idle=True)["audit"] == "skipped: busy"   # an audit may say why it did not run
 
 
 def test_the_watcher_writes_an_idle_snapshot_after_quiet(tmp_path):
