@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-caching", action="store_true",
                         help="vLLM's prefix caching on: block ids from a vLLM-like block pool, "
                              "generations repeating their prompts; counts VMM calls per generation")
+    parser.add_argument("--hit-unit", type=argtypes.non_negative_int, default=16,
+                        help="with --prefix-caching: the prefix-match unit of vattn's fine hits (tokens, "
+                             "as the GPU runner's default): a hit reaching into a cached block gets "
+                             "vLLM's copy-on-write of it; 0: whole-block hits, no copies")
     parser.add_argument("--workload", choices=("decode-heavy", "shared-prefix", "multi-turn"),
                         default="decode-heavy",
                         help="with --prefix-caching: distinct prompts, one shared system prompt, or "
@@ -241,7 +245,7 @@ def run_prefix(args) -> int:
                   pack_mb=args.pack_mb, pack_sets=_sizes(args.pack_sets), defer=args.defer_mapping,
                   free_reserve=args.free_reserve)
     try:
-        pool = PrefixBlockPool(blocks, rt.block_size)
+        pool = PrefixBlockPool(blocks, rt.block_size, unit=args.hit_unit or None)
         prompts = prompts_for(args.workload, batch=args.batch, prompt=args.prompt, shared=args.shared)
         runs = []
         if args.warm_up:                        # as the engine stages: one prompt, 2 tokens, untimed

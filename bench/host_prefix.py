@@ -20,7 +20,7 @@ from .prefix_pool import PrefixBlockPool
 __all__ = ["prompts_for", "prefix_generation", "COUNTED"]
 
 COUNTED = ("map_calls", "unmap_calls", "set_access_calls", "page_sets_moved", "prefix_hits",
-           "pages_aliased", "keys_bound", "fence_waits")
+           "pages_aliased", "keys_bound", "fence_waits", "blocks_copied", "copies_elided")
 
 
 def prompts_for(workload: str, *, batch: int, prompt: int, shared: int, seed: int = 0) -> list[list[int]]:
@@ -49,6 +49,9 @@ def prefix_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], new: 
         ids, hits = pool.admit(prompt)
         blocks.append(ids)
         rt.on_blocks(i, len(ids), new_request=True, block_ids=ids, hits=hits)
+    copies = pool.take_copies()
+    if copies:
+        rt.copy_blocks(copies)
     spent["on_blocks"] += time.perf_counter() - t0
     for step in range(new):
         t0 = time.perf_counter()

@@ -114,6 +114,9 @@ def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], ne
         for req in grown:
             if req in running and req.index is not None:
                 rt.on_blocks(req.index, len(req.blocks), new_request=False, block_ids=req.blocks[-1:])
+        copies = pool.take_copies()
+        if copies:
+            rt.copy_blocks(copies)
         t2 = time.perf_counter()
         rt.apply()
         t3 = time.perf_counter()

@@ -5,7 +5,11 @@ block); a free queue in least-recently-freed order; a full block is cached under
 tokens chained to its parent's; a new request hits the longest cached run of its full blocks
 (at most ``len(prompt) - 1`` tokens, as vLLM computes at least one token); a block taken from
 the free queue loses its cached content (eviction); a finished request frees its blocks last
-block first, so its tail is evicted first.
+block first, so its tail is evicted first. With ``unit`` (vattn's fine hits on the GPU path,
+``adapters/vllm/fine_hits.py``: 16 tokens), a hit also reaches into the cached full block after
+its whole-block hits, up to the last ``unit`` boundary it may use: the request's fresh block there
+gets vLLM's copy-on-write of it (:meth:`PrefixBlockPool.take_copies`; a repeated prompt's last
+block, every time). Partial-block entries of unfinished blocks are not modelled.
 """
 
 from __future__ import annotations
@@ -24,10 +28,16 @@ class PrefixBlockPool:
         vLLM's ``num_gpu_blocks`` (the null block included).
     block_size : int
         Tokens per block.
+    unit : int, optional
+        The prefix-match unit (tokens; dividing ``block_size``): hits ending inside a cached
+        block, with a copy-on-write each. ``None``: whole blocks only.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
-        self.block_size = block_size
+    def __init__(self, num_blocks: int, block_size: int, unit: int | None = None):
+        if unit is not None and (unit <= 0 or block_size % unit):
+            raise ValueError(f"unit must divide the block size {block_size}, got {unit}")
+        self.block_size, self.unit = block_size, unit
+        self.copies: list[tuple[int, int]] = []   # (cached block, fresh block) since take_copies
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.hash_of: dict[int, int] = {}
         self.cached: dict[int, int] = {}
@@ -70,9 +80,32 @@ class PrefixBlockPool:
                 del self.free[block]
             self.refs[block] = self.refs.get(block, 0) + 1
         self.hit_blocks += len(hits)
+        src = self._partial_hit(tokens, len(hits))
+        held = src is not None and self.free.pop(src, False) is None    # not evicted by the takes below
         blocks = hits + [self._take() for _ in range(-(-len(tokens) // self.block_size) - len(hits))]
+        if src is not None:
+            if held:
+                self.free[src] = None
+            self.copies.append((src, blocks[len(hits)]))
         self.cache_full(blocks, tokens)
         return blocks, len(hits)
+
+    def _partial_hit(self, tokens: list[int], k: int) -> int | None:
+        """With ``unit``: the cached block ``k`` a hit of ``k`` whole blocks reaches into (at most
+        ``len(tokens) - 1`` tokens, down to a unit boundary), or ``None``."""
+        bs = self.block_size
+        if self.unit is None or (k + 1) * bs > len(tokens):
+            return None
+        reach = min(len(tokens) - 1, (k + 1) * bs) - k * bs
+        if reach - reach % self.unit <= 0:
+            return None
+        return self.cached.get(self._hashes(tokens[:(k + 1) * bs])[k])
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write pairs of the requests admitted since the last call (vLLM's
+        ``kv_cache_block_copies`` of a step)."""
+        out, self.copies = self.copies, []
+        return out
 
     def grow(self) -> int:
         """One more block for a running request."""

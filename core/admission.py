@@ -24,7 +24,7 @@ class Admission:
     def __init__(self, state: CacheState):
         self.state = state
 
-    def acquire(self, tenant, expected_len: int, prefix) -> int:
+    def acquire(self, tenant, expected_len: int, prefix, home=None) -> int:
         """:meth:`VirtualKVCache.acquire` with checked arguments."""
         st, table = self.state, self.state.slots
         table.clock += 1
@@ -35,7 +35,11 @@ class Admission:
         if table.inflight:
             ready = idle[~np.isin(idle, list(table.inflight))]
             idle = ready if ready.size else idle
-        slot = self._home_slot(prefix[-1] if len(prefix) else None)
+        slot = self._home_slot(home) if home is not None else None
+        if slot is not None and len(prefix) and st.pages.at(slot, len(prefix) - 1) != st.keys.get(prefix[-1]):
+            slot = None                   # the copy's source without the hit in front of it
+        if slot is None:
+            slot = self._home_slot(prefix[-1] if len(prefix) else None)
         if slot is None:
             slot = self._best_fit(idle, need, tenant, prefix)
         st.settle(slot)

@@ -161,7 +161,7 @@ class VirtualKVCache:
         return self._space.view(layer, which)
 
     # -- slot lifecycle --------------------------------------------------------------------------
-    def acquire(self, *, tenant=None, expected_len: int = 0, prefix=()) -> int:
+    def acquire(self, *, tenant=None, expected_len: int = 0, prefix=(), home=None) -> int:
         """Hand out an idle slot, preferring the warm one whose pages best fit ``expected_len``.
 
         ``prefix``: the block keys of the request's prefix-cache hit, in order (what it will
@@ -169,7 +169,10 @@ class VirtualKVCache:
         first: a request that ran there before (a repeated prompt, the next turn of a
         conversation) finds its whole prefix in place and needs no mapping at all. Else the idle
         slot needing the fewest VMM calls for the hit (one starting with the same prefix, or one
-        with few pages where the shared page-sets go).
+        with few pages where the shared page-sets go). ``home``: a block key whose slot to prefer
+        before the last hit's, when the hit is in place there too (the cached block a
+        copy-on-write reads, right after the hit: the request's fresh block goes in its place
+        and the copy is elided).
 
         Raises
         ------
@@ -181,7 +184,7 @@ class VirtualKVCache:
         self._check_open()
         self._check_length(expected_len)
         with self._cond:
-            slot = self._admission.acquire(tenant, expected_len, tuple(prefix))
+            slot = self._admission.acquire(tenant, expected_len, tuple(prefix), home)
             self._staging.drop(slot)
             return slot
 

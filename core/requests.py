@@ -35,7 +35,7 @@ class RequestSlots:
         self.cache = cache
         self._slot: dict[Hashable, int] = {}
 
-    def take(self, key: Hashable, *, expected_len: int = 0, tenant=None, prefix=()) -> int:
+    def take(self, key: Hashable, *, expected_len: int = 0, tenant=None, prefix=(), home=None) -> int:
         """Give ``key`` an idle slot (:meth:`VirtualKVCache.acquire`) and return it.
 
         Raises
@@ -46,7 +46,7 @@ class RequestSlots:
         if key in self._slot:
             raise SlotError(f"request {key!r} already holds slot {self._slot[key]}")
         slot = self._slot[key] = self.cache.acquire(tenant=tenant, expected_len=expected_len,
-                                                    prefix=prefix)
+                                                    prefix=prefix, home=home)
         return slot
 
     def drop(self, key: Hashable) -> int | None:

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from vattn.cli import main
 
 
@@ -70,6 +72,22 @@ def test_the_block_pool_evicts_least_recently_freed_and_hits_whole_blocks():
     y, _ = small.admit([5, 6, 7])                                   # takes 2, then 1: [1,2] evicted
     small.finish(y)
     assert small.admit([1, 2, 3])[1] == 0
+
+
+def test_the_block_pool_with_a_hit_unit_copies_the_block_a_hit_reaches_into():
+    from vattn.bench.prefix_pool import PrefixBlockPool
+    pool = PrefixBlockPool(num_blocks=8, block_size=4, unit=2)
+    a, _ = pool.admit(list(range(8)))                               # two full blocks, cached
+    assert pool.take_copies() == []
+    pool.finish(a)
+    b, hits = pool.admit(list(range(8)))                            # the same prompt: 7 tokens may hit
+    assert hits == 1 and b[0] == a[0] and b[1] != a[1]              # block 2 is not handed out again
+    assert pool.take_copies() == [(a[1], b[1])] and pool.take_copies() == []
+    c, hits = pool.admit([0, 1, 2, 3, 4, 9, 9, 9])                  # block 2 differs: no copy
+    assert hits == 1 and pool.take_copies() == []
+    assert PrefixBlockPool(num_blocks=8, block_size=4).admit(list(range(8)))[1] == 0
+    with pytest.raises(ValueError, match="divide"):
+        PrefixBlockPool(num_blocks=8, block_size=4, unit=3)
 
 
 def test_prefix_caching_multi_turn_hits_the_whole_conversation_in_place(tmp_path):

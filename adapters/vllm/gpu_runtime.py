@@ -107,6 +107,7 @@ class GpuRuntime:
                                  rows_per_slot=lay.rows_per_slot, padding_slot=self.cache.padding_slot,
                                  device=config.torch_device)
         self._slot = RequestSlots(self.cache)   # request index -> vattn slot
+        self._new: dict[int, tuple] = {}       # new request index -> (tokens, hit blocks): a slot in apply
         self._pending: dict[int, int] = {}     # request index -> tokens its blocks cover
         self.sharing = prefix_caching
         self._binds: dict[int, list] = {}      # request index -> [first new block, new ids, hits]
@@ -142,19 +143,18 @@ class GpuRuntime:
     def on_blocks(self, index: int, num_blocks: int, *, new_request: bool, block_ids=(),
                   hits: int = 0) -> None:
         """Request ``index`` now holds ``num_blocks`` blocks, the last ``len(block_ids)`` of them
-        new; a new request takes a slot first. With prefix caching, its first ``hits`` blocks
-        are prefix-cache hits (whole blocks vLLM already holds) and it prefers the idle slot
-        where the last of them was mapped (a repeated prompt finds its prefix in place), else
-        the one needing the fewest VMM calls for them."""
+        new; a new request takes a slot in :meth:`apply`, once the step's copies are known. With
+        prefix caching, its first ``hits`` blocks are prefix-cache hits (whole blocks vLLM
+        already holds) and it prefers the idle slot where the cached block its copy-on-write
+        reads was mapped (a repeated prompt: its own block is in place there, so the copy is no
+        copy), else where the last hit block was, else the one needing the fewest VMM calls."""
         start = time.perf_counter()
         tokens = min(num_blocks * self.block_size, self.cache.config.max_context)
         if new_request:
-            if index in self._slot:                     # re-added without a removal: a new request
+            if index in self._slot or index in self._new:   # re-added without a removal
                 self.release(index)
-            prefix = block_ids[:hits] if self.sharing and hits else ()
-            slot = self._retry(lambda: self._slot.take(index, expected_len=tokens, prefix=prefix))
-            self.tables.assign(index, slot)
-        elif index not in self._slot:
+            self._new[index] = (tokens, block_ids[:hits] if self.sharing and hits else ())
+        elif index not in self._slot and index not in self._new:
             raise VattnError(f"request index {index} got blocks but holds no vattn slot")
         self._pending[index] = tokens
         if self.sharing and len(block_ids):
@@ -192,8 +192,24 @@ class GpuRuntime:
         if self.snapshots is not None:
             self.snapshots.step()
 
+    def _take_slots(self) -> None:
+        """The step's new requests take their slots: each prefers the home of the cached block
+        its copy-on-write reads (the copy's destination is one of its fresh blocks), else its
+        last hit block's."""
+        reads = {dst: src for src, dst in self._copies}
+        for index, (tokens, prefix) in self._new.items():
+            binds = self._binds.get(index)
+            fresh = binds[1][binds[2]:] if binds is not None else ()
+            home = next((reads[b] for b in fresh if b in reads), None)
+            slot = self._retry(lambda: self._slot.take(index, expected_len=tokens, prefix=prefix,
+                                                       home=home))
+            self.tables.assign(index, slot)
+        self._new.clear()
+
     def _apply(self) -> None:
         stage: list[tuple[list, int]] = []     # (prefix blocks, idle copies wanted)
+        if self._new:
+            self._take_slots()
         if self._binds:
             # new requests come before running ones here (vLLM adds them first), but a new one
             # may hit a block a running one is given this step: bind_many orders them
@@ -235,6 +251,7 @@ class GpuRuntime:
         """Request ``index`` left (finished, aborted or preempted): release its slot, fenced."""
         self._pending.pop(index, None)
         self._binds.pop(index, None)
+        self._new.pop(index, None)
         if self._slot.drop(index) is not None:
             self.tables.clear(index)
 

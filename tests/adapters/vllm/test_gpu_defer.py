@@ -113,3 +113,31 @@ def _vllm_config(mode="FULL_AND_PIECEWISE", split=gl.KV_OPS, eager=False):
 def test_deferred_mapping_only_where_every_layer_runs_the_backend(config, ok):
     got, why = gl.defer_mapping_for(config)
     assert got is ok and (bool(why) is not ok)
+
+
+def test_a_repeated_prompt_returns_to_its_own_slot_and_its_copy_on_write_is_elided():
+    """A 1B-class shape: the shared system prompt fills whole blocks, so a repeated prompt's last
+    hit block is the shared one, mapped in every earlier request's slot. Its copy-on-write reads
+    its *own* cached last block: the slot is chosen in ``apply`` (vLLM sends the copies after the
+    blocks), at that block's home, so the copy is elided there (and vLLM's cache stays intact)."""
+    rt = _runtime(defer=True)
+    try:
+        shared, own = 1, [2, 3, 4]
+        for i, block in enumerate(own):                  # generation 1: [shared, own] each
+            rt.on_blocks(i, 2, new_request=True, block_ids=[shared, block], hits=1 if i else 0)
+        rt.apply()
+        rt.ready()
+        first = {block: rt.slot(i) for i, block in enumerate(own)}
+        for i in range(3):
+            rt.release(i)
+        fresh = [5, 6, 7]
+        for j, block in enumerate(reversed(own)):        # generation 2, in another order
+            rt.on_blocks(j, 2, new_request=True, block_ids=[shared, fresh[j]], hits=1)
+        rt.copy_blocks([(block, fresh[j]) for j, block in enumerate(reversed(own))])
+        rt.apply()
+        rt.ready()
+        assert [rt.slot(j) for j in range(3)] == [first[b] for b in reversed(own)]
+        assert rt.cache.metrics()["copies_elided"] == 3
+        rt.cache.audit()
+    finally:
+        rt.close()
