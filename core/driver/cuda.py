@@ -7,6 +7,7 @@ arguments. The module imports ``cuda.bindings`` lazily, so ``vattn.core`` import
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -87,6 +88,7 @@ class CudaDriver:
         #: the step's calls with the GIL held (None: through cuda.bindings); ``gil`` says which
         self._direct, why = direct_calls(cu) if keep_gil else (None, f"{DRIVER_GIL_ENV}=release")
         self.gil = "held" if self._direct is not None else f"released ({why})"
+        self._thread = threading.local()       # .worker: a thread that called bind_thread
         self.unmap_spans = self._unmaps_spans()
         #: the current stream's handle without torch.cuda.current_stream's Python layers
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
@@ -111,6 +113,14 @@ class CudaDriver:
             for h in handles:
                 self.release(h)
             self.free_va(va, 2 * g)
+
+    def _fast(self):
+        """The GIL-holding calls for the calling thread, or ``None``: the map-ahead worker (it
+        called :meth:`bind_thread`) goes through ``cuda.bindings``, releasing the GIL, so the
+        engine's thread runs while the worker maps (held there, the worker would be the busy
+        thread the engine's thread waits 5 ms for)."""
+        direct = self._direct
+        return None if direct is None or getattr(self._thread, "worker", False) else direct
 
     def _check(self, name: str, err: int, shown: dict) -> None:
         """A direct call's ``CUresult``: a :class:`DriverError` unless it is 0 (success)."""
@@ -146,23 +156,26 @@ class CudaDriver:
         self._call("cuMemRelease", self.cu.cuMemRelease, handle, shown={"handle": int(handle)})
 
     def map(self, va: int, size: int, handle) -> None:
-        if self._direct is not None:
+        direct = self._fast()
+        if direct is not None:
             h = int(handle)
-            err = self._direct.cuMemMap(va, size, 0, h, 0)
+            err = direct.cuMemMap(va, size, 0, h, 0)
             return self._check("cuMemMap", err, {"va": va, "size": size, "handle": h})
         self._call("cuMemMap", self.cu.cuMemMap, va, size, 0, handle, 0,
                    shown={"va": va, "size": size, "handle": int(handle)})
 
     def set_access(self, va: int, size: int) -> None:
-        if self._direct is not None:
-            err = self._direct.cuMemSetAccess(va, size, self._access.getPtr(), 1)
+        direct = self._fast()
+        if direct is not None:
+            err = direct.cuMemSetAccess(va, size, self._access.getPtr(), 1)
             return self._check("cuMemSetAccess", err, {"va": va, "size": size})
         self._call("cuMemSetAccess", self.cu.cuMemSetAccess, va, size, [self._access], 1,
                    shown={"va": va, "size": size})
 
     def unmap(self, va: int, size: int) -> None:
-        if self._direct is not None:
-            return self._check("cuMemUnmap", self._direct.cuMemUnmap(va, size), {"va": va, "size": size})
+        direct = self._fast()
+        if direct is not None:
+            return self._check("cuMemUnmap", direct.cuMemUnmap(va, size), {"va": va, "size": size})
         self._call("cuMemUnmap", self.cu.cuMemUnmap, va, size, shown={"va": va, "size": size})
 
     def view(self, va: int, nbytes: int) -> torch.Tensor:
@@ -182,8 +195,9 @@ class CudaDriver:
 
     def zero(self, va: int, nbytes: int) -> None:
         stream = self._raw_stream(self.device.index)
-        if self._direct is not None:
-            err = self._direct.cuMemsetD8Async(va, 0, nbytes, stream)
+        direct = self._fast()
+        if direct is not None:
+            err = direct.cuMemsetD8Async(va, 0, nbytes, stream)
             return self._check("cuMemsetD8Async", err, {"va": va, "nbytes": nbytes})
         self._call("cuMemsetD8Async", self.cu.cuMemsetD8Async, va, 0, nbytes, stream,
                    shown={"va": va, "nbytes": nbytes})
@@ -193,8 +207,9 @@ class CudaDriver:
         range: a driver call each, where a strided tensor copy spanning the ranges costs
         TensorIterator's 64-bit-index split into a launch per range)."""
         stream = self._raw_stream(self.device.index)
-        if self._direct is not None:
-            err = self._direct.cuMemcpyDtoDAsync(dst, src, nbytes, stream)
+        direct = self._fast()
+        if direct is not None:
+            err = direct.cuMemcpyDtoDAsync(dst, src, nbytes, stream)
             return self._check("cuMemcpyDtoDAsync", err, {"dst": dst, "src": src, "nbytes": nbytes})
         self._call("cuMemcpyDtoDAsync", self.cu.cuMemcpyDtoDAsync, dst, src, nbytes, stream,
                    shown={"dst": dst, "src": src, "nbytes": nbytes})
@@ -205,6 +220,7 @@ class CudaDriver:
     def bind_thread(self) -> None:
         self._call("cuCtxSetCurrent", self.cu.cuCtxSetCurrent, self._ctx)
         torch.cuda.set_device(self.device)
+        self._thread.worker = True
 
     def free_memory(self) -> int:
         free, _ = torch.cuda.mem_get_info(self.device)

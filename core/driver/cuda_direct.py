@@ -11,7 +11,8 @@ time at ~10 µs of CPU (the "convoy" of CPython's GIL; ``vattn bench vmm --only 
 measures it). These calls take microseconds and never wait on another Python thread, so holding
 the GIL through them costs the other threads nothing they would not wait anyway.
 
-Opt-in for now (``VATTN_DRIVER_GIL=hold``; :class:`~.cuda.CudaDriver`'s ``keep_gil``) until it
+Only the engine's own thread holds it: the map-ahead worker's calls keep releasing the GIL
+(held there, the worker would be the busy thread the engine's thread waits for). Opt-in for now (``VATTN_DRIVER_GIL=hold``; :class:`~.cuda.CudaDriver`'s ``keep_gil``) until it
 has run on a GPU. Only the calls on a step's path are here (map, unmap, set-access, the copy and the memset);
 creating and releasing physical memory, reserving VA and errors stay on ``cuda.bindings``.
 """

@@ -71,3 +71,25 @@ def test_gil_switch(monkeypatch):
     monkeypatch.setenv(DRIVER_GIL_ENV, "yes")
     with pytest.raises(ConfigError, match="expected 'hold' or 'release', got 'yes'"):
         _keep_gil_from_env()
+
+
+def test_only_the_engine_thread_holds_the_gil_the_worker_keeps_releasing_it():
+    """A map-ahead worker (it called bind_thread) goes through cuda.bindings: with the GIL held
+    there it would be the busy Python thread the engine's own thread waits 5 ms for."""
+    import threading
+    from vattn.core.driver.cuda import CudaDriver
+    drv = CudaDriver.__new__(CudaDriver)               # no GPU here: only the per-thread choice
+    drv._direct, drv._thread = object(), threading.local()
+    seen = {}
+
+    def worker():
+        seen["before"] = drv._fast()
+        drv._thread.worker = True                        # what bind_thread records
+        seen["after"] = drv._fast()
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen["before"] is drv._direct and seen["after"] is None
+    assert drv._fast() is drv._direct                   # the engine's thread still holds it
+    drv._direct = None
+    assert drv._fast() is None
