@@ -105,11 +105,11 @@ class Binding:
             raise SlotError(f"prefix hit on block key {key!r}, which no page-set holds (never bound "
                             "by this cache, or dropped since)")
         st.counters.prefix_hits += len(keys)
+        if self._in_place(slot, start, sets):        # back in its own slot: nothing to map
+            return
         first = 0
         while first < len(sets) and st.pages.at(slot, start + first) == sets[first]:
             first += 1
-        if first == len(sets):
-            return
         st.settle(slot)
         if st.pages.usable(slot) > start + first:     # something is replaced: the last reader is done
             st.wait_fence(slot)
@@ -118,6 +118,15 @@ class Binding:
         home = st.keys.home
         for index, key in enumerate(keys[first:], start=start + first):
             home[key] = (slot, index)                 # the latest mapping: where a request runs next
+
+    def _in_place(self, slot: int, start: int, sets: list[tuple[int, ...]]) -> bool:
+        """Whether page-sets ``sets`` are mapped (and accessible) at ``start ..`` of ``slot``: one
+        list comparison per range instead of one :meth:`~.paging.SlotPages.at` per page-set."""
+        pages = self.state.pages
+        end = start + len(sets)
+        if pages.usable(slot) < end:
+            return False
+        return all(row[start:end] == list(col) for row, col in zip(pages.mapped[slot], zip(*sets)))
 
     def claim(self, slot: int, index: int) -> bool:
         """:meth:`VirtualKVCache.claim` with checked arguments."""

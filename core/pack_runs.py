@@ -174,9 +174,10 @@ class PackRuns:
 
     def packed_at(self, slot: int, index: int) -> bool:
         """Whether a pack maps position ``index`` of ``slot`` in some range."""
-        if self.packs is None or not self.packs.spans:
+        packs = self.packs
+        if packs is None or index >= packs.end_of.get(slot, 0):
             return False
-        return any(self.packs.span(slot, rng, index) is not None for rng in range(len(self.bases)))
+        return any(packs.span(slot, rng, index) is not None for rng in range(len(self.bases)))
 
     def unpack_at(self, slot: int, index: int) -> None:
         """Map position ``index`` of ``slot`` to its own pages in every range (a pack run there

@@ -79,6 +79,7 @@ class Packs:
         self.by_key: dict[tuple, Pack] = {}                     # (start, range 0's pages) -> pack
         self.live: set[Pack] = set()                            # every pack not released yet
         self.spans: dict[tuple[int, int], dict[int, Pack]] = {}  # (slot, range) -> {start: pack}
+        self.end_of: dict[int, int] = {}        # slot -> end of its last pack span (any range)
         self.hits: dict[tuple, int] = {}                        # runs hit without a pack yet
         self._clock = 0
         self._scratch: int | None = None                        # VA of the scratch areas
@@ -283,6 +284,8 @@ class Packs:
     # -- spans: where slots map packs --------------------------------------------------------------
     def span(self, slot: int, rng: int, index: int) -> tuple[int, Pack] | None:
         """``(start, pack)`` if position ``index`` of ``slot`` in ``rng`` is a pack's."""
+        if index >= self.end_of.get(slot, 0):
+            return None
         spans = self.spans.get((slot, rng))
         if not spans:
             return None
@@ -296,12 +299,21 @@ class Packs:
     def mapped(self, slot: int, rng: int, start: int, pack: Pack) -> None:
         self.spans.setdefault((slot, rng), {})[start] = pack
         pack.users += 1
+        if start + pack.size > self.end_of.get(slot, 0):
+            self.end_of[slot] = start + pack.size
 
     def unmapped(self, slot: int, rng: int, start: int) -> Pack:
         spans = self.spans[(slot, rng)]
         pack = spans.pop(start)
         if not spans:
             del self.spans[(slot, rng)]
+        if start + pack.size == self.end_of[slot]:     # the last span went: the slot's next end
+            end = max((b + p.size for (s, _), sp in self.spans.items() if s == slot
+                       for b, p in sp.items()), default=0)
+            if end:
+                self.end_of[slot] = end
+            else:
+                del self.end_of[slot]
         pack.users -= 1
         if not pack.users and self.by_key.get((pack.start, pack.pids[0])) is not pack:
             self._release(pack)                 # stale and no longer mapped
@@ -323,6 +335,12 @@ class Packs:
                     raise VattnError(f"slot {slot} range {rng}: pack span at {start} records "
                                      f"{list(have)}, the pack holds {list(pack.pids[rng])}")
                 users[id(pack)] = users.get(id(pack), 0) + 1
+        ends: dict[int, int] = {}
+        for (slot, _), spans in self.spans.items():
+            for start, pack in spans.items():
+                ends[slot] = max(ends.get(slot, 0), start + pack.size)
+        if ends != self.end_of:
+            raise VattnError(f"packs: the end of each slot's last span is {ends}, recorded {self.end_of}")
         for pack in self.live:
             if pack.users != users.get(id(pack), 0):
                 raise VattnError(f"pack at {pack.start} counts {pack.users} users, "
