@@ -308,8 +308,8 @@ class Packs:
         if not spans:
             del self.spans[(slot, rng)]
         if start + pack.size == self.end_of[slot]:     # the last span went: the slot's next end
-            end = max((b + p.size for (s, _), sp in self.spans.items() if s == slot
-                       for b, p in sp.items()), default=0)
+            end = max((b + p.size for r in range(len(pack.pids))
+                       for b, p in self.spans.get((slot, r), {}).items()), default=0)
             if end:
                 self.end_of[slot] = end
             else:
