@@ -62,10 +62,12 @@ class PrefixBlockPool:
         self.new_blocks += 1
         return block
 
-    def hit_blocks_for(self, tokens: list[int]) -> list[int]:
-        """The cached blocks a prompt would hit now (nothing changes)."""
+    def hit_blocks_for(self, tokens: list[int], hashes: list[int] | None = None) -> list[int]:
+        """The cached blocks a prompt would hit now (nothing changes); ``hashes``: its block
+        hashes, if computed already."""
         hits = []
-        for h in self._hashes(tokens)[:(len(tokens) - 1) // self.block_size]:
+        hashes = self._hashes(tokens) if hashes is None else hashes
+        for h in hashes[:(len(tokens) - 1) // self.block_size]:
             block = self.cached.get(h)
             if block is None:
                 break
@@ -74,32 +76,32 @@ class PrefixBlockPool:
 
     def admit(self, tokens: list[int]) -> tuple[list[int], int]:
         """Blocks for a new request's prompt and how many of them are prefix-cache hits."""
-        hits = self.hit_blocks_for(tokens)
+        hashes = self._hashes(tokens)
+        hits = self.hit_blocks_for(tokens, hashes)
         for block in hits:
             if self.refs.get(block, 0) == 0:
                 del self.free[block]
             self.refs[block] = self.refs.get(block, 0) + 1
         self.hit_blocks += len(hits)
-        src = self._partial_hit(tokens, len(hits))
+        src = self._partial_hit(len(tokens), len(hits), hashes)
         held = src is not None and self.free.pop(src, False) is None    # not evicted by the takes below
         blocks = hits + [self._take() for _ in range(-(-len(tokens) // self.block_size) - len(hits))]
         if src is not None:
             if held:
                 self.free[src] = None
             self.copies.append((src, blocks[len(hits)]))
-        self.cache_full(blocks, tokens)
+        self.cache_full(blocks, tokens, hashes)
         return blocks, len(hits)
 
-    def _partial_hit(self, tokens: list[int], k: int) -> int | None:
-        """With ``unit``: the cached block ``k`` a hit of ``k`` whole blocks reaches into (at most
-        ``len(tokens) - 1`` tokens, down to a unit boundary), or ``None``."""
-        bs = self.block_size
-        if self.unit is None or (k + 1) * bs > len(tokens):
+    def _partial_hit(self, n: int, k: int, hashes: list[int]) -> int | None:
+        """With ``unit``: the cached block ``k`` a hit of ``k`` whole blocks of an ``n``-token
+        prompt reaches into (at most ``n - 1`` tokens, down to a unit boundary), or ``None``."""
+        if self.unit is None or k >= len(hashes):
             return None
-        reach = min(len(tokens) - 1, (k + 1) * bs) - k * bs
+        reach = min(n - 1, (k + 1) * self.block_size) - k * self.block_size
         if reach - reach % self.unit <= 0:
             return None
-        return self.cached.get(self._hashes(tokens[:(k + 1) * bs])[k])
+        return self.cached.get(hashes[k])
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write pairs of the requests admitted since the last call (vLLM's
@@ -111,9 +113,9 @@ class PrefixBlockPool:
         """One more block for a running request."""
         return self._take()
 
-    def cache_full(self, blocks: list[int], tokens: list[int]) -> None:
+    def cache_full(self, blocks: list[int], tokens: list[int], hashes: list[int] | None = None) -> None:
         """Cache the request's full blocks (those not cached yet) under their hashes."""
-        for block, h in zip(blocks, self._hashes(tokens)):
+        for block, h in zip(blocks, self._hashes(tokens) if hashes is None else hashes):
             if block not in self.hash_of:
                 self.hash_of[block] = h
                 self.cached.setdefault(h, block)

@@ -122,19 +122,26 @@ class CudaDriver:
         direct = self._direct
         return None if direct is None or getattr(self._thread, "worker", False) else direct
 
-    def _check(self, name: str, err: int, shown: dict) -> None:
-        """A direct call's ``CUresult``: a :class:`DriverError` unless it is 0 (success)."""
+    def _raise(self, name: str, err, shown: dict):
+        _, text = self.cu.cuGetErrorName(err)
+        raise DriverError(name, shown, text.decode() if isinstance(text, bytes) else str(err))
+
+    def _step_call(self, name: str, shown: dict, direct_args: tuple, *args) -> None:
+        """A call of the step's path: the GIL-holding entry point for this thread with
+        ``direct_args`` (plain ints and pointers), else ``cuda.bindings`` with ``args``."""
+        direct = self._fast()
+        if direct is None:
+            self._call(name, getattr(self.cu, name), *args, shown=shown)
+            return
+        err = getattr(direct, name)(*direct_args)
         if err:
-            _, text = self.cu.cuGetErrorName(self.cu.CUresult(err))
-            raise DriverError(name, shown, text.decode() if isinstance(text, bytes) else str(err))
+            self._raise(name, self.cu.CUresult(err), shown)
 
     def _call(self, name: str, fn, *args, shown: dict | None = None):
         result = fn(*args)
         err = result[0] if isinstance(result, tuple) else result
         if err != self.cu.CUresult.CUDA_SUCCESS:
-            _, text = self.cu.cuGetErrorName(err)
-            raise DriverError(name, shown if shown is not None else {"args": args},
-                              text.decode() if isinstance(text, bytes) else str(err))
+            self._raise(name, err, shown if shown is not None else {"args": args})
         if isinstance(result, tuple) and len(result) > 1:
             return result[1] if len(result) == 2 else result[1:]
         return None
@@ -156,27 +163,16 @@ class CudaDriver:
         self._call("cuMemRelease", self.cu.cuMemRelease, handle, shown={"handle": int(handle)})
 
     def map(self, va: int, size: int, handle) -> None:
-        direct = self._fast()
-        if direct is not None:
-            h = int(handle)
-            err = direct.cuMemMap(va, size, 0, h, 0)
-            return self._check("cuMemMap", err, {"va": va, "size": size, "handle": h})
-        self._call("cuMemMap", self.cu.cuMemMap, va, size, 0, handle, 0,
-                   shown={"va": va, "size": size, "handle": int(handle)})
+        h = int(handle)
+        self._step_call("cuMemMap", {"va": va, "size": size, "handle": h}, (va, size, 0, h, 0),
+                        va, size, 0, handle, 0)
 
     def set_access(self, va: int, size: int) -> None:
-        direct = self._fast()
-        if direct is not None:
-            err = direct.cuMemSetAccess(va, size, self._access.getPtr(), 1)
-            return self._check("cuMemSetAccess", err, {"va": va, "size": size})
-        self._call("cuMemSetAccess", self.cu.cuMemSetAccess, va, size, [self._access], 1,
-                   shown={"va": va, "size": size})
+        self._step_call("cuMemSetAccess", {"va": va, "size": size}, (va, size, self._access.getPtr(), 1),
+                        va, size, [self._access], 1)
 
     def unmap(self, va: int, size: int) -> None:
-        direct = self._fast()
-        if direct is not None:
-            return self._check("cuMemUnmap", direct.cuMemUnmap(va, size), {"va": va, "size": size})
-        self._call("cuMemUnmap", self.cu.cuMemUnmap, va, size, shown={"va": va, "size": size})
+        self._step_call("cuMemUnmap", {"va": va, "size": size}, (va, size), va, size)
 
     def view(self, va: int, nbytes: int) -> torch.Tensor:
         # torch may query the pointer's attributes, which fails on VA with nothing mapped:
@@ -194,25 +190,15 @@ class CudaDriver:
             self.release(scratch)
 
     def zero(self, va: int, nbytes: int) -> None:
-        stream = self._raw_stream(self.device.index)
-        direct = self._fast()
-        if direct is not None:
-            err = direct.cuMemsetD8Async(va, 0, nbytes, stream)
-            return self._check("cuMemsetD8Async", err, {"va": va, "nbytes": nbytes})
-        self._call("cuMemsetD8Async", self.cu.cuMemsetD8Async, va, 0, nbytes, stream,
-                   shown={"va": va, "nbytes": nbytes})
+        args = (va, 0, nbytes, self._raw_stream(self.device.index))
+        self._step_call("cuMemsetD8Async", {"va": va, "nbytes": nbytes}, args, *args)
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         """One ``cuMemcpyDtoDAsync`` on torch's current stream (a page-set copy makes one per
         range: a driver call each, where a strided tensor copy spanning the ranges costs
         TensorIterator's 64-bit-index split into a launch per range)."""
-        stream = self._raw_stream(self.device.index)
-        direct = self._fast()
-        if direct is not None:
-            err = direct.cuMemcpyDtoDAsync(dst, src, nbytes, stream)
-            return self._check("cuMemcpyDtoDAsync", err, {"dst": dst, "src": src, "nbytes": nbytes})
-        self._call("cuMemcpyDtoDAsync", self.cu.cuMemcpyDtoDAsync, dst, src, nbytes, stream,
-                   shown={"dst": dst, "src": src, "nbytes": nbytes})
+        args = (dst, src, nbytes, self._raw_stream(self.device.index))
+        self._step_call("cuMemcpyDtoDAsync", {"dst": dst, "src": src, "nbytes": nbytes}, args, *args)
 
     def record_fence(self) -> CudaFence:
         return CudaFence()

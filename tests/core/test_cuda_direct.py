@@ -93,3 +93,37 @@ def test_only_the_engine_thread_holds_the_gil_the_worker_keeps_releasing_it():
     assert drv._fast() is drv._direct                   # the engine's thread still holds it
     drv._direct = None
     assert drv._fast() is None
+
+
+def test_step_calls_take_the_direct_entry_point_or_the_bindings_and_fail_typed():
+    """CudaDriver's step-path calls against stand-ins of cuda.bindings and of the direct entry
+    points: the engine's thread takes the direct one (plain ints), a worker the bindings; a
+    failure either way is a DriverError naming the call and its arguments."""
+    import enum
+    import threading
+    from vattn.core.driver.cuda import CudaDriver
+    from vattn.core.errors import DriverError
+
+    class CUresult(enum.IntEnum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+    calls = []
+    cu = types.SimpleNamespace(
+        CUresult=CUresult,
+        cuGetErrorName=lambda err: (CUresult.CUDA_SUCCESS, CUresult(err).name.encode()),
+        cuMemUnmap=lambda va, size: calls.append(("bindings", va, size)) or (CUresult.CUDA_SUCCESS,),
+        cuMemMap=lambda *args: (CUresult.CUDA_ERROR_INVALID_VALUE,))
+    direct = types.SimpleNamespace(cuMemUnmap=lambda va, size: calls.append(("direct", va, size)) or 0,
+                                   cuMemMap=lambda *args: 1)
+    drv = CudaDriver.__new__(CudaDriver)
+    drv.cu, drv._direct, drv._thread = cu, direct, threading.local()
+    drv.unmap(1 << 40, 4096)
+    with pytest.raises(DriverError, match=r"cuMemMap\(va=.*handle=7.*CUDA_ERROR_INVALID_VALUE"):
+        drv.map(1 << 40, 4096, 7)
+    t = threading.Thread(target=lambda: (setattr(drv._thread, "worker", True), drv.unmap(2 << 40, 4096)))
+    t.start()
+    t.join()
+    assert calls == [("direct", 1 << 40, 4096), ("bindings", 2 << 40, 4096)]
+    drv._direct = None                                   # the default: cuda.bindings everywhere
+    with pytest.raises(DriverError, match=r"cuMemMap\(va=.*CUDA_ERROR_INVALID_VALUE"):
+        drv.map(1 << 40, 4096, 7)
