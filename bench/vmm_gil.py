@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 __all__ = ["contended", "drivers", "torch_calls", "markdown", "CALLS"]
 
-CALLS = ("map", "set_access", "copy", "zero", "unmap")
+CALLS = ("map", "set_access", "copy", "zero", "fence", "unmap")
 
 
 @contextmanager
@@ -59,6 +59,7 @@ def _round(drv, base: int, handles: list, sync, extras: dict) -> dict[str, list[
     for i in range(1, len(handles)):
         timed("copy", drv.copy, base + i * g, base + (i - 1) * g, 64 << 10)
         timed("zero", drv.zero, base + i * g, 64 << 10)
+        timed("fence", lambda: drv.record_fence().done())   # recorded and queried, as reclaim does
     for name, fn in extras.items():
         for _ in handles:
             timed(name, fn)

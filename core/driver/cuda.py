@@ -12,7 +12,7 @@ import threading
 import torch
 
 from ..errors import ConfigError, DriverError, UnsupportedError
-from .cuda_direct import direct_calls
+from .cuda_direct import DirectFence, direct_calls
 
 __all__ = ["CudaDriver", "CudaFence", "DRIVER_GIL_ENV"]
 
@@ -200,8 +200,14 @@ class CudaDriver:
         args = (dst, src, nbytes, self._raw_stream(self.device.index))
         self._step_call("cuMemcpyDtoDAsync", {"dst": dst, "src": src, "nbytes": nbytes}, args, *args)
 
-    def record_fence(self) -> CudaFence:
-        return CudaFence()
+    def record_fence(self) -> CudaFence | DirectFence:
+        """An event on the current stream: through the GIL-holding entry points on the engine's
+        thread when the driver keeps the GIL, else torch's (which releases it per call)."""
+        direct = self._fast()
+        if direct is None:
+            return CudaFence()
+        return DirectFence(direct, self._raw_stream(self.device.index),
+                           lambda name, err: self._raise(name, self.cu.CUresult(err), {}))
 
     def bind_thread(self) -> None:
         self._call("cuCtxSetCurrent", self.cu.cuCtxSetCurrent, self._ctx)

@@ -12,9 +12,12 @@ measures it). These calls take microseconds and never wait on another Python thr
 the GIL through them costs the other threads nothing they would not wait anyway.
 
 Only the engine's own thread holds it: the map-ahead worker's calls keep releasing the GIL
-(held there, the worker would be the busy thread the engine's thread waits for). Opt-in for now (``VATTN_DRIVER_GIL=hold``; :class:`~.cuda.CudaDriver`'s ``keep_gil``) until it
-has run on a GPU. Only the calls on a step's path are here (map, unmap, set-access, the copy and the memset);
-creating and releasing physical memory, reserving VA and errors stay on ``cuda.bindings``.
+(held there, the worker would be the busy thread the engine's thread waits for). Opt-in for now
+(``VATTN_DRIVER_GIL=hold``; :class:`~.cuda.CudaDriver`'s ``keep_gil``) until it has run on a GPU.
+Only the calls on a step's path are here (map, unmap, set-access, the copy and the memset, and the
+fences' events: create, record, query, destroy); creating and releasing physical memory, reserving
+VA and errors stay on ``cuda.bindings``. A fence's blocking wait (``cuEventSynchronize``) releases
+the GIL: it waits on the device, and another thread may run meanwhile.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import ctypes
 from ctypes import c_size_t, c_ubyte, c_uint64, c_void_p
 
-__all__ = ["DirectCalls", "direct_calls", "SIGNATURES"]
+__all__ = ["DirectCalls", "DirectFence", "direct_calls", "SIGNATURES"]
 
 #: CUDA version asked of ``cuGetProcAddress``: the newest ABI of each call up to it (the ``_v2``
 #: copy and memset, the 10.2 VMM calls)
@@ -34,7 +37,16 @@ SIGNATURES = {
     "cuMemSetAccess": (c_uint64, c_size_t, c_void_p, c_size_t),        # va, size, desc*, count
     "cuMemcpyDtoDAsync": (c_uint64, c_uint64, c_size_t, c_void_p),     # dst, src, bytes, stream
     "cuMemsetD8Async": (c_uint64, c_ubyte, c_size_t, c_void_p),        # dst, value, bytes, stream
+    "cuEventCreate": (ctypes.POINTER(c_void_p), ctypes.c_uint),         # event*, flags
+    "cuEventRecord": (c_void_p, c_void_p),                              # event, stream
+    "cuEventQuery": (c_void_p,),                                        # event
+    "cuEventDestroy": (c_void_p,),                                      # event
 }
+#: called through ``ctypes.CFUNCTYPE``: the GIL is released while they run (they may block)
+RELEASING = {"cuEventSynchronize": (c_void_p,)}
+#: ``CU_EVENT_DISABLE_TIMING``: a fence needs no timestamp
+EVENT_FLAGS = 0x2
+CUDA_ERROR_NOT_READY = 600
 
 
 class DirectCalls:
@@ -42,20 +54,62 @@ class DirectCalls:
     held, returning the ``CUresult`` as an int (0: success)."""
 
     def __init__(self, pointers: dict[str, int]):
-        missing = sorted(set(SIGNATURES) - set(pointers))
+        missing = sorted((set(SIGNATURES) | set(RELEASING)) - set(pointers))
         if missing:
             raise ValueError(f"DirectCalls: no entry point for {', '.join(missing)}")
-        for name, argtypes in SIGNATURES.items():
-            setattr(self, name, ctypes.PYFUNCTYPE(ctypes.c_int, *argtypes)(pointers[name]))
+        for table, kind in ((SIGNATURES, ctypes.PYFUNCTYPE), (RELEASING, ctypes.CFUNCTYPE)):
+            for name, argtypes in table.items():
+                setattr(self, name, kind(ctypes.c_int, *argtypes)(pointers[name]))
+
+
+class DirectFence:
+    """A CUDA event recorded on ``stream`` through :class:`DirectCalls` (created, recorded,
+    queried and destroyed with the GIL held; waited on with it released). ``fail(name, err)``
+    raises the caller's typed error for a failed call."""
+
+    __slots__ = ("_calls", "_event", "_fail")
+
+    def __init__(self, calls: DirectCalls, stream: int, fail):
+        self._calls, self._fail, self._event = calls, fail, None
+        event = c_void_p()
+        self._check("cuEventCreate", calls.cuEventCreate(ctypes.byref(event), EVENT_FLAGS))
+        self._event = event.value
+        self._check("cuEventRecord", calls.cuEventRecord(self._event, stream))
+
+    def _check(self, name: str, err: int) -> None:
+        if err:
+            self._fail(name, err)
+
+    def done(self) -> bool:
+        err = self._calls.cuEventQuery(self._event)
+        if err == CUDA_ERROR_NOT_READY:
+            return False
+        self._check("cuEventQuery", err)
+        return True
+
+    def wait(self) -> None:
+        self._check("cuEventSynchronize", self._calls.cuEventSynchronize(self._event))
+
+    def __del__(self):
+        event, self._event = self._event, None
+        if event is not None:
+            self._calls.cuEventDestroy(event)   # freed once the device is past it
 
 
 def direct_calls(cu) -> tuple[DirectCalls | None, str]:
     """The calls of :data:`SIGNATURES` resolved through ``cu.cuGetProcAddress`` (``cu``: the
     ``cuda.bindings.driver`` module), or ``(None, why)`` when the driver does not hand one out
     (the caller then keeps ``cuda.bindings``)."""
+    try:
+        return _resolve(cu)
+    except (TypeError, ValueError) as exc:      # a cuda.bindings whose signature differs
+        return None, f"cuGetProcAddress: {exc}"
+
+
+def _resolve(cu) -> tuple[DirectCalls | None, str]:
     flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM   # torch's stream 0
     pointers = {}
-    for name in SIGNATURES:
+    for name in (*SIGNATURES, *RELEASING):
         result = cu.cuGetProcAddress(name.encode(), CUDA_VERSION, flags)
         err, pfn = result[0], result[1]
         if err != cu.CUresult.CUDA_SUCCESS or not int(pfn):

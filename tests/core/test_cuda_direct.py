@@ -15,7 +15,7 @@ from vattn.core.errors import ConfigError
 def _stand_ins(calls):
     """C function pointers (ctypes callbacks) recording their arguments, one per signature."""
     made = {}
-    for name, argtypes in cuda_direct.SIGNATURES.items():
+    for name, argtypes in {**cuda_direct.SIGNATURES, **cuda_direct.RELEASING}.items():
         def record(*args, _name=name):
             calls.append((_name, args))
             return 0 if _name != "cuMemUnmap" else 1      # CUDA_ERROR_INVALID_VALUE
@@ -61,6 +61,39 @@ def test_a_driver_without_an_entry_point_keeps_the_bindings():
     assert direct is None and "cuMemSetAccess" in why
     with pytest.raises(ValueError, match="cuMemcpyDtoDAsync"):
         cuda_direct.DirectCalls({k: v for k, v in pointers.items() if k != "cuMemcpyDtoDAsync"})
+
+
+def test_a_fence_is_an_event_created_recorded_queried_and_destroyed_through_the_entry_points():
+    """DirectFence against stand-ins: the event the create call writes is the one recorded on
+    the stream, queried (600, not ready, is False; 0 is True; anything else the caller's typed
+    error), waited on, and destroyed once the fence goes."""
+    calls, state = [], {"query": 600}
+
+    def create(event_p, flags):
+        calls.append(("create", flags))
+        event_p[0] = 0xE7E47
+        return 0
+    c_api = {"cuEventCreate": create,
+             "cuEventRecord": lambda ev, stream: calls.append(("record", ev, stream)) or 0,
+             "cuEventQuery": lambda ev: state["query"],
+             "cuEventSynchronize": lambda ev: calls.append(("sync", ev)) or 0,
+             "cuEventDestroy": lambda ev: calls.append(("destroy", ev)) or 0}
+    tables = {**cuda_direct.SIGNATURES, **cuda_direct.RELEASING}
+    funcs = {name: ctypes.CFUNCTYPE(ctypes.c_int, *tables[name])(fn) for name, fn in c_api.items()}
+    funcs.update({name: f for name, f in _stand_ins([]).items() if name not in funcs})
+    direct = cuda_direct.DirectCalls({name: ctypes.cast(f, ctypes.c_void_p).value for name, f in funcs.items()})
+    failed = []
+    fence = cuda_direct.DirectFence(direct, 0x5000, lambda name, err: failed.append((name, err)))
+    assert fence.done() is False
+    state["query"] = 0
+    assert fence.done() is True
+    fence.wait()
+    state["query"] = 700                                  # CUDA_ERROR_ILLEGAL_ADDRESS
+    fence.done()
+    assert failed == [("cuEventQuery", 700)]
+    del fence
+    assert calls == [("create", cuda_direct.EVENT_FLAGS), ("record", 0xE7E47, 0x5000),
+                     ("sync", 0xE7E47), ("destroy", 0xE7E47)]
 
 
 def test_gil_switch(monkeypatch):

@@ -226,6 +226,10 @@ def test_cuda_paths_with_and_without_the_gil_agree_and_fail_typed(keep_gil):
         assert view[g + 4096:g + 12288].sum().item() == 0
         assert view[g:g + 4096].float().mean().item() == 9 and view[g + 12288:g + 16384].float().mean().item() == 9
         assert view[g + 16384:].float().mean().item() == 9
+        fence = drv.record_fence()                      # after the copy, on the same stream
+        assert type(fence).__name__ == ("DirectFence" if keep_gil else "CudaFence")
+        fence.wait()
+        assert fence.done()
         torch.cuda.synchronize()
     spare = drv.reserve(g)
     try:
