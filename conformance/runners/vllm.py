@@ -22,7 +22,7 @@ where the engine's graphs allow it); ``vattn:w0`` without the CUDA events that t
 idle time behind vattn's step (``VATTN_DEVICE_WAIT=0``: they release the GIL); ``vattn:r0`` /
 ``vattn:rN`` with no / ``N`` page-sets kept free for bursts (``VATTN_FREE_RESERVE``; the GPU
 runner's default: none); ``vattn:h1`` / ``vattn:h0`` with the step's driver calls holding /
-releasing the GIL (``VATTN_DRIVER_GIL=hold`` / ``release``; default: release). Variants
+releasing the GIL (``VATTN_DRIVER_GIL=hold`` / ``release``; default: hold). Variants
 combine: ``vattn:g2:p0``.
 """
 

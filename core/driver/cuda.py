@@ -16,8 +16,8 @@ from .cuda_direct import DirectFence, direct_calls
 
 __all__ = ["CudaDriver", "CudaFence", "DRIVER_GIL_ENV"]
 
-#: ``hold``: the step's VMM calls keep the GIL (:mod:`.cuda_direct`); ``release`` (default until
-#: the direct path has run on a GPU): every call through ``cuda.bindings``, which releases it
+#: ``hold`` (the default): the step's VMM calls and fences keep the GIL (:mod:`.cuda_direct`);
+#: ``release``: every call through ``cuda.bindings`` and torch's events, which release it
 DRIVER_GIL_ENV = "VATTN_DRIVER_GIL"
 
 
@@ -223,7 +223,7 @@ class CudaDriver:
 
 
 def _keep_gil_from_env() -> bool:
-    value = os.environ.get(DRIVER_GIL_ENV, "release")
+    value = os.environ.get(DRIVER_GIL_ENV, "hold")
     if value not in ("hold", "release"):
         raise ConfigError(f"{DRIVER_GIL_ENV}: expected 'hold' or 'release', got {value!r}")
     return value == "hold"

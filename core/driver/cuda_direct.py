@@ -12,8 +12,10 @@ measures it). These calls take microseconds and never wait on another Python thr
 the GIL through them costs the other threads nothing they would not wait anyway.
 
 Only the engine's own thread holds it: the map-ahead worker's calls keep releasing the GIL
-(held there, the worker would be the busy thread the engine's thread waits for). Opt-in for now
-(``VATTN_DRIVER_GIL=hold``; :class:`~.cuda.CudaDriver`'s ``keep_gil``) until it has run on a GPU.
+(held there, the worker would be the busy thread the engine's thread waits for). The default
+since it ran on the H100 (``VATTN_DRIVER_GIL=release`` or :class:`~.cuda.CudaDriver`'s
+``keep_gil=False`` go back to ``cuda.bindings``): with a busy thread beside, ~5 ms a call through
+the bindings against the call's own µs here (``vattn bench vmm --only contended``).
 Only the calls on a step's path are here (map, unmap, set-access, the copy and the memset, and the
 fences' events: create, record, query, destroy); creating and releasing physical memory, reserving
 VA and errors stay on ``cuda.bindings``. A fence's blocking wait (``cuEventSynchronize``) releases

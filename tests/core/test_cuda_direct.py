@@ -98,9 +98,9 @@ def test_a_fence_is_an_event_created_recorded_queried_and_destroyed_through_the_
 
 def test_gil_switch(monkeypatch):
     monkeypatch.delenv(DRIVER_GIL_ENV, raising=False)
-    assert _keep_gil_from_env() is False                  # the default until it ran on a GPU
-    monkeypatch.setenv(DRIVER_GIL_ENV, "hold")
-    assert _keep_gil_from_env() is True
+    assert _keep_gil_from_env() is True                   # the default since it ran on a GPU
+    monkeypatch.setenv(DRIVER_GIL_ENV, "release")
+    assert _keep_gil_from_env() is False
     monkeypatch.setenv(DRIVER_GIL_ENV, "yes")
     with pytest.raises(ConfigError, match="expected 'hold' or 'release', got 'yes'"):
         _keep_gil_from_env()
