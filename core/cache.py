@@ -286,19 +286,23 @@ class VirtualKVCache:
 
     # -- deferred mapping: a step's VMM calls made as the forward reaches each range --------------
     @contextlib.contextmanager
-    def deferred(self):
+    def deferred(self, copies: bool = True):
         """Within the block, the calling thread's map, access and unmap calls on the cache's
         ranges are queued per range instead of made; the record changes as if they were made.
         :meth:`issue` makes them, range by range (an engine calls it before each layer's KV is
-        written or read); any other call that touches memory or the stream (a copy, a scrub, a
-        fence, :meth:`wait`, the next window) makes everything queued first. Nothing may read a
-        page through the views between the window and the :meth:`issue` that covers its layer.
+        written or read); any other call that touches memory or the stream (a scrub, a fence,
+        :meth:`wait`, the next window) makes everything queued first. Nothing may read a page
+        through the views between the window and the :meth:`issue` that covers its layer.
+        The cache's page-set copies (a block moved out of a slot's way, a copy-on-write) are
+        queued per range too; with ``copies=False`` they are queued only behind calls already
+        waiting, else made at once — for a step whose forward makes every range's calls before
+        it starts (a replayed full CUDA graph), where queuing them would only add host work.
 
         See :mod:`vattn.core.deferred` (``DeferredCallError``: a queued call failed when made).
         """
         self._check_open()
         with self._cond:
-            self._calls.open_window()
+            self._calls.open_window(copies=copies)
         try:
             yield self
         finally:

@@ -76,10 +76,11 @@ class DeferredCalls:
         self._bypass: set[int] = set()    # threads that called bind_thread (the map-ahead worker)
         self.on_empty = None
         self._issuing = False             # inside issue(): the calls a job makes go straight through
+        self._copies_later = True         # the open window queues copies while nothing waits too
         self.touched: dict[int, int] = {}  # pool page -> the last range whose queued work uses it
 
     # -- the window ------------------------------------------------------------------------------
-    def open_window(self) -> None:
+    def open_window(self, copies: bool = True) -> None:
         """From now on queue the calling thread's deferrable calls until :meth:`issue` (what an
         earlier window queued is made first). The caller holds the cache's lock."""
         if self._owner is not None:
@@ -87,6 +88,7 @@ class DeferredCalls:
                              "`with cache.deferred()` block) before another opens, got a second open")
         self.issue()
         self._owner = self._queuer = threading.get_ident()
+        self._copies_later = copies
 
     def close_window(self) -> None:
         """End the window (what it queued stays queued until :meth:`issue`)."""
@@ -144,6 +146,17 @@ class DeferredCalls:
     def deferring(self) -> bool:
         """Whether calls wait in the queue and the calling thread's would join them."""
         return bool(self.pending) and threading.get_ident() == self._owner
+
+    def in_window(self) -> bool:
+        """Whether the calling thread's deferrable calls and :meth:`later` jobs are queued (its
+        window is open and no :meth:`issue` is running), whether or not anything waits yet: work
+        queued then must :meth:`touch` the pool pages it uses."""
+        return threading.get_ident() == self._owner and not self._issuing
+
+    def copies_later(self) -> bool:
+        """Whether a page-set copy the calling thread asks for now is queued (:meth:`later`):
+        behind calls that wait, or in a window opened with ``copies=True``."""
+        return self.deferring() or (self._copies_later and self.in_window())
 
     def later(self, rng: int, job) -> None:
         """Run ``job()`` (host work that reads or writes range ``rng`` through the device, e.g. a

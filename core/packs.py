@@ -225,7 +225,7 @@ class Packs:
         area["fence"] = None
         # each range's copy runs where that range's queued VMM calls are made (a deferral window:
         # as the forward reaches the range; else now)
-        queued = self.driver.deferring()
+        queued = self.driver.in_window()
         try:
             for rng, handle in enumerate(pack.handles):
                 if queued:                      # the copy reads the run's pool pages

@@ -395,7 +395,7 @@ class SlotPages(PackRuns):
                     self._unpack(slot, rng, span, i, i)
                     self._restore_access(slot, rng)
                 self.driver.reuse(pid, rng)
-                if self.driver.deferring():
+                if self.driver.in_window():     # the zero below is queued
                     self.driver.touch((pid,), rng)
                 self.driver.zero(self.va(rng, slot, i), self.layout.page_bytes)
                 self.counters.pages_scrubbed += 1

@@ -58,13 +58,15 @@ class AddressSpace:
 
     def copy_set(self, src: tuple[int, int], dst: tuple[int, int], pages: tuple) -> None:
         """Copy page-set ``src`` to ``dst`` (``(slot, index)`` each): one driver copy per range
-        (``cuMemcpyDtoDAsync`` on CUDA). Inside a deferral window with calls queued, each range's
-        copy is queued behind that range's calls (it reads and writes through them); ``pages``:
-        the pool pages of ``src`` and of ``dst`` (one per range each), marked as used by the
-        queued copies."""
+        (``cuMemcpyDtoDAsync`` on CUDA). Inside a deferral window, each range's copy is queued
+        behind that range's calls (it reads and writes through them), also when nothing waits
+        yet: it is made where the forward reaches the range, before that range's layers write
+        the source's position, instead of on the step's path; ``pages``: the pool pages of
+        ``src`` and of ``dst`` (one per range each), marked as used by the queued copies.
+        A window opened with ``copies=False`` queues them only behind calls already waiting."""
         lay = self.layout
         src_off, dst_off = lay.page_offset(*src), lay.page_offset(*dst)
-        if self.driver.deferring():
+        if self.driver.copies_later():
             for rng in range(lay.num_ranges):
                 self.driver.touch([pids[rng] for pids in pages], rng)
                 self.driver.later(rng, lambda r=rng: self._copy_range(r, src_off, dst_off))

@@ -186,7 +186,12 @@ class GpuRuntime:
         start = time.perf_counter()
         with step_trace.section(self.trace, self.device_wait, binds=len(self._binds),
                                 copies=len(self._copies), steps=len(self._pending)):
-            with self.cache.deferred() if self.defer_mapping else contextlib.nullcontext():
+            # a step that admits requests runs a prefill, layer by layer outside full graphs: its
+            # page-set copies wait for their ranges there; a decode-only step replays a full
+            # graph, which makes every range's calls before it starts (queuing them gains nothing)
+            window = (self.cache.deferred(copies=bool(self._new)) if self.defer_mapping
+                      else contextlib.nullcontext())
+            with window:
                 self._apply()
         self.step_us.observe((time.perf_counter() - start) * 1e6)
         if self.snapshots is not None:

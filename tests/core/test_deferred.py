@@ -213,6 +213,32 @@ def test_copies_queue_behind_their_ranges_and_fences_and_wait_make_the_queue_fir
         cache.audit()
 
 
+@pytest.mark.parametrize("copies", [True, False])
+def test_a_copy_with_nothing_queued_waits_for_its_range_unless_the_window_says_not(copies):
+    """A copy-on-write in a window where nothing waits yet: queued per range (made where the
+    forward reaches the range, before its layers write) with ``copies=True``; made at once with
+    ``copies=False`` (a step that replays a full graph issues every range before it starts)."""
+    with _cache() as cache:
+        a = cache.acquire()
+        cache.bind(a, 0, ["x", "y"])
+        cache.k(0)[a, :2 * T] = 3.0
+        cache.v(2)[a, :2 * T] = 4.0
+        b = cache.acquire()
+        cache.bind(b, 0, ["x", "z"], hits=1)            # made now: no window
+        assert cache.calls_queued == 0
+        with cache.deferred(copies=copies):
+            assert cache.copy_block("y", "z")
+        queued = cache.calls_queued
+        assert queued == (cache.layout.num_ranges if copies else 0)
+        assert (cache.k(0)[b, T:2 * T] == 3.0).all() != copies      # not there before issue
+        assert cache.issue(layer=1) == (1 if copies else 0)         # range 0's copy
+        assert (cache.k(0)[b, :2 * T] == 3.0).all()
+        cache.issue()
+        assert (cache.v(2)[b, :2 * T] == 4.0).all() and cache.calls_queued == 0
+        _record_matches(cache)
+        cache.audit()
+
+
 def test_a_failed_deferred_call_stops_the_cache_loudly_and_it_still_closes():
     injector = FaultInjector(HostDriver(granularity=4096))
     cache = _cache(driver=injector)

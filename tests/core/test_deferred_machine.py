@@ -3,7 +3,8 @@
 deferral window, as vLLM's GPU runner makes its step's calls: a call is made only when the
 engine writes or reads KV (``issue``, as the backend does before a layer), or when a fence
 wait, a map outside the ranges or ``wait`` needs it first; block copies, pack fills and fences
-inside the window queue behind their ranges. After every rule the host driver's mappings equal
+inside the window queue behind their ranges (copies in every other window only behind calls
+already waiting, as ``deferred(copies=False)`` does). After every rule the host driver's mappings equal
 the record, and every request reads its own blocks; with the device trailing, no unmap lands
 under a copy still in flight."""
 
@@ -27,7 +28,10 @@ class _Deferred:
         self._open()
 
     def _open(self):
-        self.window = self.cache.deferred()
+        """A new window; every other one queues copies only behind waiting calls (as a step that
+        replays a full CUDA graph opens it)."""
+        self.copies = not getattr(self, "copies", False)
+        self.window = self.cache.deferred(copies=self.copies)
         self.window.__enter__()
 
     def _issued(self, check):
@@ -82,7 +86,7 @@ class DeferredLaggingMachine(_Deferred, PackedLaggingSharingMachine):
                     pending[pages.va(rng, slot, index)] = device.now + device.lag
 
         def copy_set_guarded(src, dst, sets):
-            queued = calls.deferring()
+            queued = calls.copies_later()
             copy_set(src, dst, sets)
             if queued:
                 calls.later(cache.layout.num_ranges - 1, lambda: launched(src, dst))
