@@ -33,7 +33,7 @@ from collections import deque
 from .errors import DriverError, VattnError
 from .metrics import Counters
 
-__all__ = ["DeferredCalls", "DeferredCallError", "LaterFence"]
+__all__ = ["CopyBatch", "DeferredCalls", "DeferredCallError", "LaterFence"]
 
 #: the driver's other calls that touch what a queued call may name (a handle, the reservation):
 #: whatever is queued is made before them (``create`` and ``reserve`` make something new; the
@@ -108,24 +108,23 @@ class DeferredCalls:
         last = self.num_ranges - 1 if upto is None else min(upto, self.num_ranges - 1)
         start, made = time.perf_counter(), 0
         self._issuing = True
+        batch = CopyBatch()                  # queued copies in a row, made as one batch
         try:
             for queue in self.queues[:last + 1]:
                 while queue:
                     name, args = queue.popleft()
                     self.pending -= 1
                     made += 1
-                    try:
-                        if name == "job":
-                            args[0]()
-                        else:
-                            getattr(self.inner, name)(*args)
-                    except Exception as exc:
-                        self.failed = exc
-                        code = self.failed_code = exc.code if isinstance(exc, DriverError) else type(exc).__name__
-                        raise DeferredCallError(name, _args(name, args), code,
-                                                f"a deferred call failed, so the cache's record no "
-                                                f"longer matches the device's mappings ({exc}); the "
-                                                f"engine must be restarted") from exc
+                    if name == "copy" and batch.takes(*args):
+                        continue
+                    self._made(batch.flush, self._copy_many, name="copy", args=batch.first())
+                    if name == "copy":
+                        batch.takes(*args)
+                    elif name == "job":
+                        self._made(args[0], name=name, args=args)
+                    else:
+                        self._made(getattr(self.inner, name), *args, name=name, args=args)
+            self._made(batch.flush, self._copy_many, name="copy", args=batch.first())
         finally:
             self._issuing = False
         if self.touched:
@@ -135,6 +134,27 @@ class DeferredCalls:
         if not self.pending and self.on_empty is not None:
             self.on_empty()
         return made
+
+    def _made(self, fn, *fn_args, name: str, args: tuple):
+        """``fn(*fn_args)``, a queued call being made; a failure is final (see :meth:`issue`)."""
+        try:
+            return fn(*fn_args)
+        except Exception as exc:
+            self.failed = exc
+            code = self.failed_code = exc.code if isinstance(exc, DriverError) else type(exc).__name__
+            raise DeferredCallError(name, _args(name, args), code,
+                                    f"a deferred call failed, so the cache's record no longer "
+                                    f"matches the device's mappings ({exc}); the engine must be "
+                                    f"restarted") from exc
+
+    def _copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+        """Independent copies: one batch where the driver has one, else one call each."""
+        many = getattr(self.inner, "copy_many", None)
+        if many is not None and len(copies) > 1:
+            many(copies)
+            return
+        for dst, src, nbytes in copies:
+            self.inner.copy(dst, src, nbytes)
 
     def foreign(self) -> bool:
         """Whether calls are queued and the calling thread neither queued them nor is the
@@ -214,6 +234,22 @@ class DeferredCalls:
         self._drain()
         self.inner.copy(dst, src, nbytes)
 
+    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+        """Independent ``(dst, src, nbytes)`` copies made now (what is queued first): one batch
+        where the driver has one."""
+        self._drain()
+        self._copy_many(copies)
+
+    def copy_later(self, rng: int, dst: int, src: int, nbytes: int) -> None:
+        """A copy in range ``rng``, queued behind that range's calls inside the window (copies
+        queued in a row are made as one batch, see :class:`CopyBatch`), else made now."""
+        if threading.get_ident() == self._owner and not self._issuing:
+            self.queues[rng].append(("copy", (dst, src, nbytes)))
+            self.pending += 1
+            return
+        self._drain()
+        self.inner.copy(dst, src, nbytes)
+
     def record_fence(self):
         """A fence after the work issued so far. Inside the window: one recorded where the
         queue reaches it (after the copies queued before it), a :class:`LaterFence`."""
@@ -267,6 +303,45 @@ class DeferredCalls:
                                     f"record no longer matches the device's mappings")
 
 
+class CopyBatch:
+    """Queued copies made together (a batch's copies run in any order among themselves): a copy
+    joins only if it reads nothing the batch writes and writes nothing it reads or writes, and
+    only copies of the batch's size at addresses aligned to it (page-sets' pages), so equal
+    start addresses are the only overlap."""
+
+    __slots__ = ("copies", "reads", "writes", "unit")
+
+    def __init__(self):
+        self.copies: list[tuple[int, int, int]] = []
+        self.reads: set[int] = set()
+        self.writes: set[int] = set()
+        self.unit = 0
+
+    def takes(self, dst: int, src: int, nbytes: int) -> bool:
+        """Add the copy if it may run with the others; False: make the batch first."""
+        if self.copies:
+            if (nbytes != self.unit or dst % nbytes or src % nbytes or src in self.writes
+                    or dst in self.writes or dst in self.reads):
+                return False
+        else:
+            self.unit = nbytes
+        self.copies.append((dst, src, nbytes))
+        self.reads.add(src)
+        self.writes.add(dst)
+        return True
+
+    def first(self) -> tuple:
+        """The first copy's ``(dst, src, nbytes)`` (for an error's text), ``()`` if none."""
+        return self.copies[0] if self.copies else ()
+
+    def flush(self, make) -> None:
+        """``make(copies)`` for the batch's copies, if any, and start a new batch."""
+        if self.copies:
+            copies = self.copies
+            self.copies, self.reads, self.writes, self.unit = [], set(), set(), 0
+            make(copies)
+
+
 class LaterFence:
     """A fence recorded when the deferred queue reaches it: not done before; :meth:`wait` makes
     the queue first (under the cache's lock, as every fence wait in the cache is)."""
@@ -292,4 +367,6 @@ class LaterFence:
 def _args(name: str, args: tuple) -> dict:
     if name == "job":
         return {"job": getattr(args[0], "func", args[0])}
+    if name == "copy":
+        return dict(zip(("dst", "src", "nbytes"), args))
     return dict(zip(("va", "size", "handle") if name == "map" else ("va", "size"), args))

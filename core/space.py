@@ -66,17 +66,13 @@ class AddressSpace:
         A window opened with ``copies=False`` queues them only behind calls already waiting."""
         lay = self.layout
         src_off, dst_off = lay.page_offset(*src), lay.page_offset(*dst)
+        nbytes = lay.page_bytes
         if self.driver.copies_later():
-            for rng in range(lay.num_ranges):
+            for rng, base in enumerate(self.bases):
                 self.driver.touch([pids[rng] for pids in pages], rng)
-                self.driver.later(rng, lambda r=rng: self._copy_range(r, src_off, dst_off))
+                self.driver.copy_later(rng, base + dst_off, base + src_off, nbytes)
             return
-        for rng in range(lay.num_ranges):
-            self._copy_range(rng, src_off, dst_off)
-
-    def _copy_range(self, rng: int, src_off: int, dst_off: int) -> None:
-        base = self.bases[rng]
-        self.driver.copy(base + dst_off, base + src_off, self.layout.page_bytes)
+        self.driver.copy_many([(base + dst_off, base + src_off, nbytes) for base in self.bases])
 
     def run_bytes(self, rng: int, slot: int, index: int, count: int) -> torch.Tensor:
         """``uint8`` bytes of page-sets ``index .. index + count - 1`` of ``slot`` in range ``rng``."""

@@ -22,7 +22,9 @@ where the engine's graphs allow it); ``vattn:w0`` without the CUDA events that t
 idle time behind vattn's step (``VATTN_DEVICE_WAIT=0``: they release the GIL); ``vattn:r0`` /
 ``vattn:rN`` with no / ``N`` page-sets kept free for bursts (``VATTN_FREE_RESERVE``; the GPU
 runner's default: none); ``vattn:h1`` / ``vattn:h0`` with the step's driver calls holding /
-releasing the GIL (``VATTN_DRIVER_GIL=hold`` / ``release``; default: hold). Variants
+releasing the GIL (``VATTN_DRIVER_GIL=hold`` / ``release``; default: hold); ``vattn:b1`` /
+``vattn:b0`` with a step's page-set copies made as one ``cuMemcpyBatchAsync`` / one call each
+(``VATTN_BATCH_COPIES``; default: 0). Variants
 combine: ``vattn:g2:p0``.
 """
 
@@ -134,6 +136,7 @@ class VllmRunner:
         env.pop("VATTN_DEVICE_WAIT", None)
         env.pop("VATTN_FREE_RESERVE", None)
         env.pop("VATTN_DRIVER_GIL", None)
+        env.pop("VATTN_BATCH_COPIES", None)
         run = spec.get("run_name", spec["mode"])
         if env.get("VATTN_STEP_TRACE"):
             env["VATTN_RUN_NAME"] = run              # names the engine's step trace
@@ -152,6 +155,8 @@ class VllmRunner:
             env["VATTN_FREE_RESERVE"] = _switch(run, "r")
         if _switch(run, "h") is not None:
             env["VATTN_DRIVER_GIL"] = "hold" if _switch(run, "h") == "1" else "release"
+        if _switch(run, "b") is not None:
+            env["VATTN_BATCH_COPIES"] = _switch(run, "b")
         if spec["mode"] in ("vattn", "vattn-exact"):
             env["VATTN_VLLM"] = "1"
             env["VATTN_VLLM_EXACT"] = "1" if spec["mode"] == "vattn-exact" else "0"
@@ -173,7 +178,7 @@ def _base(mode: str) -> str:
     ``vattn`` with 1,024 MiB for packs; ``vattn:d0`` / ``vattn:d1`` -> ``vattn`` with deferred
     mapping off / on; ``vattn:w0`` -> ``vattn`` without the device-idle events; ``vattn:r0`` /
     ``vattn:r256`` -> ``vattn`` with no / 256 page-sets of free reserve; ``vattn:h1`` -> ``vattn``
-    with the driver calls holding the GIL (variants combine:
+    with the driver calls holding the GIL; ``vattn:b1`` -> ``vattn`` with batched copies (variants combine:
     ``vattn:g2:s0``)."""
     base, _, again = mode.partition("@")
     if again and not again.isdigit():
@@ -186,7 +191,7 @@ def _base(mode: str) -> str:
     return base
 
 
-_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+|d[01]|w[01]|r[0-9]+|h[01]")
+_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+|d[01]|w[01]|r[0-9]+|h[01]|b[01]")
 
 
 def _variants(mode: str) -> list[str]:

@@ -6,19 +6,23 @@ arguments. The module imports ``cuda.bindings`` lazily, so ``vattn.core`` import
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 
 import torch
 
 from ..errors import ConfigError, DriverError, UnsupportedError
-from .cuda_direct import DirectFence, direct_calls
+from .cuda_direct import LOCATION_DEVICE, SRC_ACCESS_ORDER_STREAM, DirectFence, MemcpyAttributes, direct_calls
 
-__all__ = ["CudaDriver", "CudaFence", "DRIVER_GIL_ENV"]
+__all__ = ["CudaDriver", "CudaFence", "DRIVER_GIL_ENV", "BATCH_COPIES_ENV"]
 
 #: ``hold`` (the default): the step's VMM calls and fences keep the GIL (:mod:`.cuda_direct`);
 #: ``release``: every call through ``cuda.bindings`` and torch's events, which release it
 DRIVER_GIL_ENV = "VATTN_DRIVER_GIL"
+#: ``1``: :meth:`CudaDriver.copy_many` makes a batch of copies with one ``cuMemcpyBatchAsync``
+#: (CUDA 13 drivers); ``0`` (the default until it has run on a GPU): one call per copy
+BATCH_COPIES_ENV = "VATTN_BATCH_COPIES"
 
 
 def _bindings():
@@ -60,7 +64,8 @@ class CudaDriver:
 
     name = "cuda"
 
-    def __init__(self, device: torch.device | str | int = "cuda", *, keep_gil: bool | None = None):
+    def __init__(self, device: torch.device | str | int = "cuda", *, keep_gil: bool | None = None,
+                 batch_copies: bool | None = None):
         self.cu = cu = _bindings()
         if not torch.cuda.is_available():
             raise UnsupportedError("the CUDA backend was asked for but torch sees no CUDA device")
@@ -88,6 +93,14 @@ class CudaDriver:
         #: the step's calls with the GIL held (None: through cuda.bindings); ``gil`` says which
         self._direct, why = direct_calls(cu) if keep_gil else (None, f"{DRIVER_GIL_ENV}=release")
         self.gil = "held" if self._direct is not None else f"released ({why})"
+        if batch_copies is None:
+            batch_copies = _flag_from_env(BATCH_COPIES_ENV)
+        #: whether :meth:`copy_many` batches (the direct entry point exists and it was asked for)
+        self.batch_copies = bool(batch_copies and self._direct is not None
+                                 and self._direct.cuMemcpyBatchAsync is not None)
+        self._copy_attrs = MemcpyAttributes(SRC_ACCESS_ORDER_STREAM, LOCATION_DEVICE, self.device.index,
+                                            LOCATION_DEVICE, self.device.index, 0)
+        self._side_stream = None                # a blocking stream for batches (made on first use)
         self._thread = threading.local()       # .worker: a thread that called bind_thread
         self.unmap_spans = self._unmaps_spans()
         #: the current stream's handle without torch.cuda.current_stream's Python layers
@@ -200,6 +213,39 @@ class CudaDriver:
         args = (dst, src, nbytes, self._raw_stream(self.device.index))
         self._step_call("cuMemcpyDtoDAsync", {"dst": dst, "src": src, "nbytes": nbytes}, args, *args)
 
+    def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
+        """``(dst, src, nbytes)`` copies that do not depend on each other (no copy reads or
+        writes what another writes), in any order among themselves, ordered after earlier and
+        before later work on the current stream: one ``cuMemcpyBatchAsync`` where
+        :attr:`batch_copies`, else one :meth:`copy` each. The batch call refuses the legacy
+        default stream (torch's stream 0): there it runs on a blocking stream of its own, which
+        the legacy stream orders against both ways."""
+        direct = self._fast()
+        if not self.batch_copies or direct is None or len(copies) < 2:
+            for dst, src, nbytes in copies:
+                self.copy(dst, src, nbytes)
+            return
+        n = len(copies)
+        dsts, srcs, sizes = (ctypes.c_uint64 * n)(), (ctypes.c_uint64 * n)(), (ctypes.c_size_t * n)()
+        for i, (dst, src, nbytes) in enumerate(copies):
+            dsts[i], srcs[i], sizes[i] = dst, src, nbytes
+        stream = self._raw_stream(self.device.index) or self._blocking_stream(direct)
+        first = ctypes.c_size_t(0)
+        err = direct.cuMemcpyBatchAsync(dsts, srcs, sizes, n, ctypes.byref(self._copy_attrs),
+                                        ctypes.byref(first), 1, stream)
+        if err:
+            self._raise("cuMemcpyBatchAsync", self.cu.CUresult(err),
+                        {"count": n, "first": copies[0], "stream": stream})
+
+    def _blocking_stream(self, direct) -> int:
+        if self._side_stream is None:
+            handle = ctypes.c_void_p()
+            err = direct.cuStreamCreate(ctypes.byref(handle), 0)   # CU_STREAM_DEFAULT: blocking
+            if err:
+                self._raise("cuStreamCreate", self.cu.CUresult(err), {"flags": 0})
+            self._side_stream = handle.value
+        return self._side_stream
+
     def record_fence(self) -> CudaFence | DirectFence:
         """An event on the current stream: through the GIL-holding entry points on the engine's
         thread when the driver keeps the GIL, else torch's (which releases it per call)."""
@@ -220,6 +266,13 @@ class CudaDriver:
 
     def close(self) -> None:
         return None
+
+
+def _flag_from_env(name: str) -> bool:
+    value = os.environ.get(name, "0")
+    if value not in ("0", "1"):
+        raise ConfigError(f"{name}: expected '0' or '1', got {value!r}")
+    return value == "1"
 
 
 def _keep_gil_from_env() -> bool:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import ctypes
 from ctypes import c_size_t, c_ubyte, c_uint64, c_void_p
 
-__all__ = ["DirectCalls", "DirectFence", "direct_calls", "SIGNATURES"]
+__all__ = ["DirectCalls", "DirectFence", "MemcpyAttributes", "direct_calls", "SIGNATURES", "OPTIONAL"]
 
 #: CUDA version asked of ``cuGetProcAddress``: the newest ABI of each call up to it (the ``_v2``
 #: copy and memset, the 10.2 VMM calls)
@@ -46,6 +46,28 @@ SIGNATURES = {
 }
 #: called through ``ctypes.CFUNCTYPE``: the GIL is released while they run (they may block)
 RELEASING = {"cuEventSynchronize": (c_void_p,)}
+#: name -> (the CUDA version whose ABI is asked for, argument types): entry points a driver may
+#: lack (the attribute is then ``None``). ``cuMemcpyBatchAsync`` of CUDA 13 (no failure-index
+#: argument): dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream — it refuses the
+#: legacy default stream (see :class:`~.cuda.CudaDriver.copy_many`)
+OPTIONAL = {
+    "cuMemcpyBatchAsync": (13000, (ctypes.POINTER(c_uint64), ctypes.POINTER(c_uint64),
+                                   ctypes.POINTER(c_size_t), c_size_t, c_void_p,
+                                   ctypes.POINTER(c_size_t), c_size_t, c_void_p)),
+    "cuStreamCreate": (12000, (ctypes.POINTER(c_void_p), ctypes.c_uint)),   # stream*, flags
+}
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """``CUmemcpyAttributes``: source access order, source and destination location hints
+    (``CUmemLocation``: type, id), flags."""
+
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_type", ctypes.c_int), ("src_id", ctypes.c_int),
+                ("dst_type", ctypes.c_int), ("dst_id", ctypes.c_int), ("flags", ctypes.c_uint)]
+
+
+#: ``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``, ``CU_MEM_LOCATION_TYPE_DEVICE``
+SRC_ACCESS_ORDER_STREAM, LOCATION_DEVICE = 1, 1
 #: ``CU_EVENT_DISABLE_TIMING``: a fence needs no timestamp
 EVENT_FLAGS = 0x2
 CUDA_ERROR_NOT_READY = 600
@@ -62,6 +84,9 @@ class DirectCalls:
         for table, kind in ((SIGNATURES, ctypes.PYFUNCTYPE), (RELEASING, ctypes.CFUNCTYPE)):
             for name, argtypes in table.items():
                 setattr(self, name, kind(ctypes.c_int, *argtypes)(pointers[name]))
+        for name, (_, argtypes) in OPTIONAL.items():
+            pfn = pointers.get(name)
+            setattr(self, name, ctypes.PYFUNCTYPE(ctypes.c_int, *argtypes)(pfn) if pfn else None)
 
 
 class DirectFence:
@@ -117,4 +142,8 @@ def _resolve(cu) -> tuple[DirectCalls | None, str]:
         if err != cu.CUresult.CUDA_SUCCESS or not int(pfn):
             return None, f"cuGetProcAddress({name}) gave {err!r}, pointer {int(pfn):#x}"
         pointers[name] = int(pfn)
+    for name, (version, _) in OPTIONAL.items():     # absent from an older driver: left out
+        result = cu.cuGetProcAddress(name.encode(), version, flags)
+        if result[0] == cu.CUresult.CUDA_SUCCESS and int(result[1]):
+            pointers[name] = int(result[1])
     return DirectCalls(pointers), "ok"

@@ -27,9 +27,9 @@ def _fake_cu(pointers, fail=None):
     success = object()
 
     def get_proc_address(symbol, version, flags):
-        assert version == cuda_direct.CUDA_VERSION and flags == "legacy"
         name = symbol.decode()
-        if name == fail:
+        assert version == cuda_direct.OPTIONAL.get(name, (cuda_direct.CUDA_VERSION,))[0] and flags == "legacy"
+        if name == fail or name not in pointers:
             return ("not found", 0, None)
         return (success, pointers[name], "found")
     return types.SimpleNamespace(
@@ -160,3 +160,67 @@ def test_step_calls_take_the_direct_entry_point_or_the_bindings_and_fail_typed()
     drv._direct = None                                   # the default: cuda.bindings everywhere
     with pytest.raises(DriverError, match=r"cuMemMap\(va=.*CUDA_ERROR_INVALID_VALUE"):
         drv.map(1 << 40, 4096, 7)
+
+
+def test_a_batch_of_copies_reaches_the_driver_as_arrays_on_a_stream_it_accepts():
+    """CudaDriver.copy_many against a stand-in ``cuMemcpyBatchAsync``: the copies as three
+    arrays, one attribute (stream-ordered source access, device locations) for all of them, and
+    — torch's legacy stream 0 being refused by the batch call — a blocking stream made once;
+    a current stream of its own is used as it is. Without the entry point or when not asked
+    for: one copy each."""
+    import enum
+    import threading
+    from vattn.core.driver.cuda import CudaDriver, _flag_from_env
+    from vattn.core.driver.cuda_direct import MemcpyAttributes
+
+    class CUresult(enum.IntEnum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+    seen = []
+    status = {"err": 0}
+
+    def batch(dsts, srcs, sizes, count, attrs, idxs, num_attrs, stream):
+        a = ctypes.cast(attrs, ctypes.POINTER(MemcpyAttributes)).contents
+        seen.append(("batch", [dsts[i] for i in range(count)], [srcs[i] for i in range(count)],
+                     [sizes[i] for i in range(count)], (a.src_access_order, a.src_type, a.src_id,
+                                                        a.dst_type, a.dst_id, a.flags),
+                     idxs[0], num_attrs, stream))
+        return status["err"]
+
+    def stream_create(handle_p, flags):
+        seen.append(("stream", flags))
+        handle_p[0] = 0x5EED
+        return 0
+    funcs = _stand_ins([])
+    argtypes = {name: types for name, (_, types) in cuda_direct.OPTIONAL.items()}
+    funcs["cuMemcpyBatchAsync"] = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes["cuMemcpyBatchAsync"])(batch)
+    funcs["cuStreamCreate"] = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes["cuStreamCreate"])(stream_create)
+    direct = cuda_direct.DirectCalls({n: ctypes.cast(f, ctypes.c_void_p).value for n, f in funcs.items()})
+    drv = CudaDriver.__new__(CudaDriver)
+    drv.cu = types.SimpleNamespace(CUresult=CUresult,
+                                   cuGetErrorName=lambda err: (0, CUresult(err).name.encode()))
+    drv._direct, drv._thread, drv._side_stream, drv.batch_copies = direct, threading.local(), None, True
+    drv._copy_attrs = MemcpyAttributes(1, 1, 3, 1, 3, 0)
+    current = {"stream": 0}
+    drv._raw_stream = lambda index: current["stream"]
+    drv.device = types.SimpleNamespace(index=3)
+    singles = []
+    drv.copy = lambda dst, src, n: singles.append((dst, src, n))
+    hi = 0x7F00_0000_0000
+    copies = [(hi + 4096, hi, 2 << 20), (hi + 3 * 4096, hi + 2 * 4096, 2 << 20)]
+    drv.copy_many(copies)
+    drv.copy_many(copies)
+    current["stream"] = 0xABC
+    drv.copy_many(copies)
+    want = ("batch", [hi + 4096, hi + 3 * 4096], [hi, hi + 2 * 4096], [2 << 20, 2 << 20],
+            (1, 1, 3, 1, 3, 0), 0, 1)
+    assert seen == [("stream", 0), (*want, 0x5EED), (*want, 0x5EED), (*want, 0xABC)]
+    status["err"] = 1
+    from vattn.core.errors import DriverError
+    with pytest.raises(DriverError, match=r"cuMemcpyBatchAsync\(count=2.*CUDA_ERROR_INVALID_VALUE"):
+        drv.copy_many(copies)
+    drv.copy_many(copies[:1])                           # one copy: a plain copy
+    drv.batch_copies = False
+    drv.copy_many(copies)
+    assert singles == [copies[0], *copies]
+    assert _flag_from_env("VATTN_NO_SUCH_FLAG") is False

@@ -48,6 +48,12 @@ class Recorder:
     def zero(self, va, size):
         self._rec("zero", va, size)
 
+    def copy(self, dst, src, nbytes):
+        self._rec("copy", dst, src, nbytes)
+
+    def copy_many(self, copies):
+        self._rec("copy_many", tuple(copies))
+
     def record_fence(self):
         self._rec("record_fence")
         return DoneFence()
@@ -75,6 +81,48 @@ def test_a_window_queues_per_range_and_issue_goes_range_by_range():
     assert calls.issue(1) == 1 and drv.calls[-1] == ("unmap", BASE + RANGE + 8192, 4096)
     assert calls.issue() == 1 and drv.calls[-1] == ("map", BASE + 2 * RANGE, 4096, "h2")
     assert calls.pending == 0 and calls.issue() == 0 and calls.counters.issue_us.n == 3
+
+
+def test_queued_copies_in_a_row_are_made_as_batches_of_independent_copies():
+    """Copies queued one after another (across ranges too) go to the driver as one
+    ``copy_many`` of copies that do not touch each other's destinations; a copy that reads or
+    overwrites what the batch writes, one of another size, or any other call starts a new batch;
+    a lone copy is a plain ``copy``."""
+    drv, calls = _calls()
+    P = 4096
+    a, b, c, d, e, f, g = (BASE + i * P for i in range(7))
+    r1 = BASE + RANGE
+    calls.open_window()
+    calls.copy_later(0, b, a, P)
+    calls.copy_later(0, d, c, P)
+    calls.copy_later(0, e, b, P)                    # reads b, which the batch writes
+    calls.copy_later(1, r1 + P, r1, P)              # the next range: joins [e <- b]
+    calls.copy_later(1, r1 + 3 * P, r1 + 2 * P, 2 * P)   # another size: alone
+    calls.map(r1 + 8 * P, P, "h")
+    calls.copy_later(1, g, f, P)                    # after the map: alone
+    calls.close_window()
+    assert drv.calls == [] and calls.pending == 7
+    assert calls.issue() == 7
+    assert drv.calls == [("copy_many", ((b, a, P), (d, c, P))),
+                         ("copy_many", ((e, b, P), (r1 + P, r1, P))),
+                         ("copy", r1 + 3 * P, r1 + 2 * P, 2 * P),
+                         ("map", r1 + 8 * P, P, "h"),
+                         ("copy", g, f, P)]
+    calls.copy_later(0, b, a, P)                    # no window: made now
+    assert drv.calls[-1] == ("copy", b, a, P) and calls.pending == 0
+
+
+def test_a_failed_batch_of_copies_is_final_and_names_its_first_copy():
+    drv, calls = _calls()
+    drv.fail = {("copy_many", ((BASE + 4096, BASE, 4096), (BASE + 3 * 4096, BASE + 2 * 4096, 4096)))}
+    calls.open_window()
+    calls.copy_later(0, BASE + 4096, BASE, 4096)
+    calls.copy_later(0, BASE + 3 * 4096, BASE + 2 * 4096, 4096)
+    calls.close_window()
+    with pytest.raises(DeferredCallError, match=r"copy\(dst=.*src=.*nbytes=4096"):
+        calls.issue()
+    with pytest.raises(DeferredCallError):
+        calls.copy_later(0, BASE, BASE + 4096, 4096)
 
 
 def test_calls_outside_the_ranges_and_ordered_calls_make_the_queue_first():

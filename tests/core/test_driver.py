@@ -240,3 +240,30 @@ def test_cuda_paths_with_and_without_the_gil_agree_and_fail_typed(keep_gil):
     finally:
         drv.release(handle)
         drv.free_va(spare, g)
+
+
+@pytest.mark.gpu
+def test_a_batch_of_copies_moves_the_bytes_on_the_legacy_stream_and_on_a_stream_of_its_own():
+    """``copy_many`` with ``cuMemcpyBatchAsync`` (CUDA 13 drivers): on torch's default stream
+    (the legacy stream, which the batch call refuses: a blocking stream of the driver's own, ordered
+    both ways) and on a stream of torch's; each batch after the fill before it, before the reads
+    after it."""
+    from vattn.core.driver.cuda import CudaDriver
+    drv = CudaDriver("cuda", keep_gil=True, batch_copies=True)
+    if not drv.batch_copies:
+        pytest.skip("this driver hands out no cuMemcpyBatchAsync (CUDA 13)")
+    with _accessible_pages(drv, 4) as (base, view):
+        g = drv.granularity
+        view[:g].fill_(1)
+        view[g:2 * g].fill_(2)
+        view[2 * g:].fill_(0)
+        drv.copy_many([(base + 2 * g, base, g), (base + 3 * g, base + g, g)])
+        assert view[2 * g:3 * g].float().mean().item() == 1 and view[3 * g:].float().mean().item() == 2
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            view[:g].fill_(5)
+            drv.copy_many([(base + 2 * g, base, g), (base + 3 * g, base, g)])
+            view[g:2 * g].copy_(view[3 * g:])           # reads the batch's result, on the same stream
+        torch.cuda.synchronize()
+        assert view[g:].float().mean().item() == 5
