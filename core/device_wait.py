@@ -23,8 +23,12 @@ class DeviceWait:
     read once complete, never waited for (:meth:`collect`), and reused once read: a step
     creates no event once the first few are made."""
 
-    def __init__(self, enabled: bool, sink=None):
+    def __init__(self, enabled: bool, sink=None, make_event=None):
         self.enabled = enabled
+        #: ``make_event()``: an event that times (record / query / elapsed_time, as
+        #: ``torch.cuda.Event(enable_timing=True)``), or ``None`` for torch's; e.g. a CUDA driver's
+        #: ``timing_event``, whose calls keep the GIL (torch's record releases it)
+        self.make_event = make_event
         #: ``sink(idle_us)`` for each section in order, as its events complete (a step trace)
         self.sink = sink
         self.hist = Histogram()
@@ -35,8 +39,11 @@ class DeviceWait:
     def _event(self):
         if self._free:
             return self._free.pop()
-        import torch
-        return torch.cuda.Event(enable_timing=True)
+        event = self.make_event() if self.make_event is not None else None
+        if event is None:
+            import torch
+            event = torch.cuda.Event(enable_timing=True)
+        return event
 
     def begin(self) -> None:
         if self.enabled:

@@ -145,7 +145,8 @@ class RowSlots:
         self.trace = step_trace.from_env(lambda: cache.counters)
         cuda = torch.device(cache.config.torch_device).type == "cuda"
         self.device_wait = DeviceWait(self.trace is not None and cuda,
-                                      sink=None if self.trace is None else self.trace.idle)
+                                      sink=None if self.trace is None else self.trace.idle,
+                                      make_event=getattr(cache.driver, "timing_event", None))
 
     # -- wiring ------------------------------------------------------------------------------------
     def attach(self, req_to_token_pool) -> None:

@@ -105,7 +105,7 @@ class GpuRuntime:
         self.defer_mapping = defer_mapping
         self.tables = SlotTables(max_num_reqs=config.max_slots, max_num_tokens=max_num_tokens,
                                  rows_per_slot=lay.rows_per_slot, padding_slot=self.cache.padding_slot,
-                                 device=config.torch_device)
+                                 device=config.torch_device, driver=self.cache.driver)
         self._slot = RequestSlots(self.cache)   # request index -> vattn slot
         self._new: dict[int, tuple] = {}       # new request index -> (tokens, hit blocks): a slot in apply
         self._pending: dict[int, int] = {}     # request index -> tokens its blocks cover
@@ -120,11 +120,12 @@ class GpuRuntime:
         #: device idle time behind apply() per step: the part of step_us the GPU waited for
         #: ``$VATTN_STEP_TRACE``: one row per apply() (when, requests bound, driver calls)
         self.trace = step_trace.from_env(lambda: self.cache.counters)
-        #: (CUDA events: each record / query releases the GIL; ``$VATTN_DEVICE_WAIT=0`` turns
-        #: them off, to see whether another thread's Python takes the GIL there)
+        #: (CUDA events, the driver's with the GIL held where it holds it, else torch's, whose
+        #: record releases it; ``$VATTN_DEVICE_WAIT=0`` turns them off)
         timed = env_flag(DEVICE_WAIT_ENV, True)
         self.device_wait = DeviceWait(config.torch_device.type == "cuda" and timed,
-                                      sink=None if self.trace is None else self.trace.idle)
+                                      sink=None if self.trace is None else self.trace.idle,
+                                      make_event=getattr(self.cache.driver, "timing_event", None))
         self.blocks_us = Histogram()           # host time of on_blocks() (incl. acquire) per call
         # every slot starts with an even share of the pool mapped: vLLM hands out blocks of a
         # pool it sized up front, so mapping it now takes the VMM calls off the step's path;

@@ -42,10 +42,15 @@ class SlotTables:
     padding_slot : int
         The always-mapped slot (``max_slots``) that padding rows and unassigned indices read.
     device : torch.device | str
+    driver : optional
+        A CUDA driver that keeps the GIL for the adapters' calls too (``gil_everywhere``:
+        ``VATTN_DRIVER_GIL=hold-all``): the uploads and their ring's fences go through it
+        (``copy_from_host``, ``record_fence``) instead of torch's ``copy_`` and events, which
+        release the GIL and so may wait out another thread's switch interval.
     """
 
     def __init__(self, *, max_num_reqs: int, max_num_tokens: int, rows_per_slot: int,
-                 padding_slot: int, device):
+                 padding_slot: int, device, driver=None):
         self.rows_per_slot = rows_per_slot
         self.padding_slot = padding_slot
         self.device = torch.device(device)
@@ -64,6 +69,7 @@ class SlotTables:
         self._staging = [torch.empty(max_num_reqs, dtype=torch.int32, pin_memory=cuda)
                          for _ in range(STAGING_RING)]
         self._staged: list = [None] * STAGING_RING     # the CUDA event of each buffer's last copy
+        self._driver = driver if cuda and getattr(driver, "gil_everywhere", False) is True else None
         self._ring = 0
         self.staging_waits = 0                          # uploads that waited for a buffer
         #: one Triton launch for the slot mapping (CUDA); the torch form elsewhere
@@ -108,16 +114,20 @@ class SlotTables:
         i = self._ring
         self._ring = (i + 1) % STAGING_RING
         event = self._staged[i]
-        if event is not None and not event.query():   # the device is STAGING_RING uploads behind
+        if event is not None and not _done(event):      # the device is STAGING_RING uploads behind
             self.staging_waits += 1
-            event.synchronize()
+            _wait(event)
         buf = self._staging[i]
         buf.numpy()[:] = self.slot_of_index
-        self._slot_dev.copy_(buf, non_blocking=True)
-        if self.device.type == "cuda":
-            if event is None:
-                event = self._staged[i] = torch.cuda.Event()
-            event.record()
+        if self._driver is not None:                    # the GIL held through both calls
+            self._driver.copy_from_host(self._slot_dev.data_ptr(), buf.data_ptr(), buf.nbytes)
+            self._staged[i] = self._driver.record_fence()
+        else:
+            self._slot_dev.copy_(buf, non_blocking=True)
+            if self.device.type == "cuda":
+                if event is None:
+                    event = self._staged[i] = torch.cuda.Event()
+                event.record()
         self._dirty = False
 
     # -- device side -------------------------------------------------------------------------
@@ -176,3 +186,15 @@ class SlotTables:
         """``[1, num_tokens]`` of -1 (whole buffer filled, like vLLM's dummy mapping)."""
         self.slot_mapping.fill_(PAD_ROW)
         return self.slot_mapping[:, :num_tokens]
+
+
+def _done(event) -> bool:
+    """A torch event's ``query`` or a driver fence's ``done``."""
+    return event.query() if isinstance(event, torch.cuda.Event) else event.done()
+
+
+def _wait(event) -> None:
+    if isinstance(event, torch.cuda.Event):
+        event.synchronize()
+    else:
+        event.wait()

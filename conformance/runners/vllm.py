@@ -22,7 +22,8 @@ where the engine's graphs allow it); ``vattn:w0`` without the CUDA events that t
 idle time behind vattn's step (``VATTN_DEVICE_WAIT=0``: they release the GIL); ``vattn:r0`` /
 ``vattn:rN`` with no / ``N`` page-sets kept free for bursts (``VATTN_FREE_RESERVE``; the GPU
 runner's default: none); ``vattn:h1`` / ``vattn:h0`` with the step's driver calls holding /
-releasing the GIL (``VATTN_DRIVER_GIL=hold`` / ``release``; default: hold); ``vattn:b1`` /
+releasing the GIL (``VATTN_DRIVER_GIL=hold`` / ``release``; default: hold), ``vattn:h2`` with the
+slot-table uploads and device-wait events through the driver too (``hold-all``); ``vattn:b1`` /
 ``vattn:b0`` with a step's page-set copies made as one ``cuMemcpyBatchAsync`` / one call each
 (``VATTN_BATCH_COPIES``; default: 0). Variants
 combine: ``vattn:g2:p0``.
@@ -154,7 +155,7 @@ class VllmRunner:
         if _switch(run, "r") is not None:
             env["VATTN_FREE_RESERVE"] = _switch(run, "r")
         if _switch(run, "h") is not None:
-            env["VATTN_DRIVER_GIL"] = "hold" if _switch(run, "h") == "1" else "release"
+            env["VATTN_DRIVER_GIL"] = {"0": "release", "1": "hold", "2": "hold-all"}[_switch(run, "h")]
         if _switch(run, "b") is not None:
             env["VATTN_BATCH_COPIES"] = _switch(run, "b")
         if spec["mode"] in ("vattn", "vattn-exact"):
@@ -191,7 +192,7 @@ def _base(mode: str) -> str:
     return base
 
 
-_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+|d[01]|w[01]|r[0-9]+|h[01]|b[01]")
+_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+|d[01]|w[01]|r[0-9]+|h[012]|b[01]")
 
 
 def _variants(mode: str) -> list[str]:

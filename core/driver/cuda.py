@@ -13,11 +13,14 @@ import threading
 import torch
 
 from ..errors import ConfigError, DriverError, UnsupportedError
-from .cuda_direct import LOCATION_DEVICE, SRC_ACCESS_ORDER_STREAM, DirectFence, MemcpyAttributes, direct_calls
+from .cuda_direct import (LOCATION_DEVICE, SRC_ACCESS_ORDER_STREAM, DirectFence, DirectTimingEvent,
+                          MemcpyAttributes, direct_calls)
 
 __all__ = ["CudaDriver", "CudaFence", "DRIVER_GIL_ENV", "BATCH_COPIES_ENV"]
 
 #: ``hold`` (the default): the step's VMM calls and fences keep the GIL (:mod:`.cuda_direct`);
+#: ``hold-all``: also the engine adapters' per-step torch calls that have a driver form (the slot
+#: table's upload and its fences, the device-wait events; opt-in until it has run on a GPU);
 #: ``release``: every call through ``cuda.bindings`` and torch's events, which release it
 DRIVER_GIL_ENV = "VATTN_DRIVER_GIL"
 #: ``1``: :meth:`CudaDriver.copy_many` makes a batch of copies with one ``cuMemcpyBatchAsync``
@@ -64,7 +67,7 @@ class CudaDriver:
 
     name = "cuda"
 
-    def __init__(self, device: torch.device | str | int = "cuda", *, keep_gil: bool | None = None,
+    def __init__(self, device: torch.device | str | int = "cuda", *, keep_gil: bool | str | None = None,
                  batch_copies: bool | None = None):
         self.cu = cu = _bindings()
         if not torch.cuda.is_available():
@@ -89,10 +92,13 @@ class CudaDriver:
         self.granularity = int(self._call("cuMemGetAllocationGranularity",
                                           cu.cuMemGetAllocationGranularity, prop, flag))
         if keep_gil is None:
-            keep_gil = _keep_gil_from_env()
+            keep_gil = _keep_gil_from_env()     # True, "all" or False
         #: the step's calls with the GIL held (None: through cuda.bindings); ``gil`` says which
         self._direct, why = direct_calls(cu) if keep_gil else (None, f"{DRIVER_GIL_ENV}=release")
         self.gil = "held" if self._direct is not None else f"released ({why})"
+        #: ``keep_gil="all"`` (``hold-all``): adapters route their per-step torch calls here too
+        #: (:meth:`copy_from_host`, :meth:`timing_event`)
+        self.gil_everywhere = keep_gil == "all" and self._direct is not None
         if batch_copies is None:
             batch_copies = _flag_from_env(BATCH_COPIES_ENV)
         #: whether :meth:`copy_many` batches (the direct entry point exists and it was asked for)
@@ -213,6 +219,13 @@ class CudaDriver:
         args = (dst, src, nbytes, self._raw_stream(self.device.index))
         self._step_call("cuMemcpyDtoDAsync", {"dst": dst, "src": src, "nbytes": nbytes}, args, *args)
 
+    def copy_from_host(self, dst: int, src: int, nbytes: int) -> None:
+        """``nbytes`` from pinned host memory at ``src`` to device memory at ``dst``, async on the
+        current stream (a small table upload; the source must stay untouched until a fence
+        recorded after it is done)."""
+        args = (dst, src, nbytes, self._raw_stream(self.device.index))
+        self._step_call("cuMemcpyHtoDAsync", {"dst": dst, "src": src, "nbytes": nbytes}, args, *args)
+
     def copy_many(self, copies: list[tuple[int, int, int]]) -> None:
         """``(dst, src, nbytes)`` copies that do not depend on each other (no copy reads or
         writes what another writes), in any order among themselves, ordered after earlier and
@@ -252,8 +265,19 @@ class CudaDriver:
         direct = self._fast()
         if direct is None:
             return CudaFence()
-        return DirectFence(direct, self._raw_stream(self.device.index),
-                           lambda name, err: self._raise(name, self.cu.CUresult(err), {}))
+        return DirectFence(direct, self._raw_stream(self.device.index), self._fail_event)
+
+    def timing_event(self) -> DirectTimingEvent | None:
+        """An event that times, recorded on the current stream, with the GIL held (for
+        :class:`~vattn.core.device_wait.DeviceWait`); ``None`` unless :attr:`gil_everywhere` and
+        on a thread whose calls keep the GIL (the caller then takes torch's)."""
+        direct = self._fast()
+        if direct is None or not self.gil_everywhere:
+            return None
+        return DirectTimingEvent(direct, lambda: self._raw_stream(self.device.index), self._fail_event)
+
+    def _fail_event(self, name: str, err: int):
+        self._raise(name, self.cu.CUresult(err), {})
 
     def bind_thread(self) -> None:
         self._call("cuCtxSetCurrent", self.cu.cuCtxSetCurrent, self._ctx)
@@ -275,8 +299,10 @@ def _flag_from_env(name: str) -> bool:
     return value == "1"
 
 
-def _keep_gil_from_env() -> bool:
+def _keep_gil_from_env() -> bool | str:
+    """``hold`` -> True, ``hold-all`` -> ``"all"``, ``release`` -> False."""
     value = os.environ.get(DRIVER_GIL_ENV, "hold")
-    if value not in ("hold", "release"):
-        raise ConfigError(f"{DRIVER_GIL_ENV}: expected 'hold' or 'release', got {value!r}")
-    return value == "hold"
+    modes = {"hold": True, "hold-all": "all", "release": False}
+    if value not in modes:
+        raise ConfigError(f"{DRIVER_GIL_ENV}: expected 'hold', 'hold-all' or 'release', got {value!r}")
+    return modes[value]

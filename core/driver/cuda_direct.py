@@ -27,7 +27,7 @@ from __future__ import annotations
 import ctypes
 from ctypes import c_size_t, c_ubyte, c_uint64, c_void_p
 
-__all__ = ["DirectCalls", "DirectFence", "MemcpyAttributes", "direct_calls", "SIGNATURES", "OPTIONAL"]
+__all__ = ["DirectCalls", "DirectEvent", "DirectFence", "DirectTimingEvent", "MemcpyAttributes", "direct_calls", "SIGNATURES", "OPTIONAL"]
 
 #: CUDA version asked of ``cuGetProcAddress``: the newest ABI of each call up to it (the ``_v2``
 #: copy and memset, the 10.2 VMM calls)
@@ -39,10 +39,12 @@ SIGNATURES = {
     "cuMemSetAccess": (c_uint64, c_size_t, c_void_p, c_size_t),        # va, size, desc*, count
     "cuMemcpyDtoDAsync": (c_uint64, c_uint64, c_size_t, c_void_p),     # dst, src, bytes, stream
     "cuMemsetD8Async": (c_uint64, c_ubyte, c_size_t, c_void_p),        # dst, value, bytes, stream
+    "cuMemcpyHtoDAsync": (c_uint64, c_void_p, c_size_t, c_void_p),     # dst, host src, bytes, stream
     "cuEventCreate": (ctypes.POINTER(c_void_p), ctypes.c_uint),         # event*, flags
     "cuEventRecord": (c_void_p, c_void_p),                              # event, stream
     "cuEventQuery": (c_void_p,),                                        # event
     "cuEventDestroy": (c_void_p,),                                      # event
+    "cuEventElapsedTime": (ctypes.POINTER(ctypes.c_float), c_void_p, c_void_p),   # ms*, start, end
 }
 #: called through ``ctypes.CFUNCTYPE``: the GIL is released while they run (they may block)
 RELEASING = {"cuEventSynchronize": (c_void_p,)}
@@ -89,23 +91,25 @@ class DirectCalls:
             setattr(self, name, ctypes.PYFUNCTYPE(ctypes.c_int, *argtypes)(pfn) if pfn else None)
 
 
-class DirectFence:
-    """A CUDA event recorded on ``stream`` through :class:`DirectCalls` (created, recorded,
-    queried and destroyed with the GIL held; waited on with it released). ``fail(name, err)``
+class DirectEvent:
+    """A CUDA event made through :class:`DirectCalls` (created, recorded, queried and destroyed
+    with the GIL held). ``timing``: it can time (:meth:`elapsed_time`); ``fail(name, err)``
     raises the caller's typed error for a failed call."""
 
     __slots__ = ("_calls", "_event", "_fail")
 
-    def __init__(self, calls: DirectCalls, stream: int, fail):
+    def __init__(self, calls: DirectCalls, fail, *, timing: bool = False):
         self._calls, self._fail, self._event = calls, fail, None
         event = c_void_p()
-        self._check("cuEventCreate", calls.cuEventCreate(ctypes.byref(event), EVENT_FLAGS))
+        self._check("cuEventCreate", calls.cuEventCreate(ctypes.byref(event), 0 if timing else EVENT_FLAGS))
         self._event = event.value
-        self._check("cuEventRecord", calls.cuEventRecord(self._event, stream))
 
     def _check(self, name: str, err: int) -> None:
         if err:
             self._fail(name, err)
+
+    def record_on(self, stream: int) -> None:
+        self._check("cuEventRecord", self._calls.cuEventRecord(self._event, stream))
 
     def done(self) -> bool:
         err = self._calls.cuEventQuery(self._event)
@@ -115,12 +119,46 @@ class DirectFence:
         return True
 
     def wait(self) -> None:
+        """Block until the device is past the event (the GIL released meanwhile)."""
         self._check("cuEventSynchronize", self._calls.cuEventSynchronize(self._event))
 
     def __del__(self):
         event, self._event = self._event, None
         if event is not None:
             self._calls.cuEventDestroy(event)   # freed once the device is past it
+
+
+class DirectFence(DirectEvent):
+    """A fence: an event without timing recorded on ``stream`` when made."""
+
+    __slots__ = ()
+
+    def __init__(self, calls: DirectCalls, stream: int, fail):
+        super().__init__(calls, fail)
+        self.record_on(stream)
+
+
+class DirectTimingEvent(DirectEvent):
+    """What :class:`~vattn.core.device_wait.DeviceWait` needs of ``torch.cuda.Event(enable_timing=
+    True)``, with the GIL held: ``record()`` on the current stream (``stream()`` gives it),
+    ``query()``, ``elapsed_time(end)`` in ms."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, calls: DirectCalls, stream, fail):
+        super().__init__(calls, fail, timing=True)
+        self._stream = stream
+
+    def record(self) -> None:
+        self.record_on(self._stream())
+
+    def query(self) -> bool:
+        return self.done()
+
+    def elapsed_time(self, end: "DirectTimingEvent") -> float:
+        ms = ctypes.c_float()
+        self._check("cuEventElapsedTime", self._calls.cuEventElapsedTime(ctypes.byref(ms), self._event, end._event))
+        return ms.value
 
 
 def direct_calls(cu) -> tuple[DirectCalls | None, str]:

@@ -96,13 +96,51 @@ def test_a_fence_is_an_event_created_recorded_queried_and_destroyed_through_the_
                      ("sync", 0xE7E47), ("destroy", 0xE7E47)]
 
 
+def test_a_timing_event_records_on_the_current_stream_and_times_through_the_entry_points():
+    """DirectTimingEvent (DeviceWait's events where the driver keeps the GIL): made with timing
+    (flags 0), recorded on the stream the callback gives at each record, queried, and
+    ``elapsed_time`` read from the driver's float; a failure is the caller's typed error."""
+    calls, made = [], iter((0xA1, 0xB2))
+
+    def create(event_p, flags):
+        calls.append(("create", flags))
+        event_p[0] = next(made)
+        return 0
+
+    def elapsed(ms_p, start, end):
+        calls.append(("elapsed", start, end))
+        ms_p[0] = 7.5
+        return 0
+    c_api = {"cuEventCreate": create,
+             "cuEventRecord": lambda ev, stream: calls.append(("record", ev, stream)) or 0,
+             "cuEventQuery": lambda ev: 0,
+             "cuEventElapsedTime": elapsed,
+             "cuEventDestroy": lambda ev: calls.append(("destroy", ev)) or 0}
+    funcs = {name: ctypes.CFUNCTYPE(ctypes.c_int, *cuda_direct.SIGNATURES[name])(fn) for name, fn in c_api.items()}
+    funcs.update({name: f for name, f in _stand_ins([]).items() if name not in funcs})
+    direct = cuda_direct.DirectCalls({name: ctypes.cast(f, ctypes.c_void_p).value for name, f in funcs.items()})
+    stream = {"now": 0x10}
+    start = cuda_direct.DirectTimingEvent(direct, lambda: stream["now"], lambda name, err: None)
+    end = cuda_direct.DirectTimingEvent(direct, lambda: stream["now"], lambda name, err: None)
+    start.record()
+    stream["now"] = 0x20
+    end.record()
+    assert start.query() and end.query()
+    assert start.elapsed_time(end) == 7.5
+    del start, end
+    assert calls == [("create", 0), ("create", 0), ("record", 0xA1, 0x10), ("record", 0xB2, 0x20),
+                     ("elapsed", 0xA1, 0xB2), ("destroy", 0xA1), ("destroy", 0xB2)]
+
+
 def test_gil_switch(monkeypatch):
     monkeypatch.delenv(DRIVER_GIL_ENV, raising=False)
     assert _keep_gil_from_env() is True                   # the default since it ran on a GPU
     monkeypatch.setenv(DRIVER_GIL_ENV, "release")
     assert _keep_gil_from_env() is False
+    monkeypatch.setenv(DRIVER_GIL_ENV, "hold-all")
+    assert _keep_gil_from_env() == "all"
     monkeypatch.setenv(DRIVER_GIL_ENV, "yes")
-    with pytest.raises(ConfigError, match="expected 'hold' or 'release', got 'yes'"):
+    with pytest.raises(ConfigError, match="expected 'hold', 'hold-all' or 'release', got 'yes'"):
         _keep_gil_from_env()
 
 

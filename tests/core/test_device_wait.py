@@ -51,9 +51,14 @@ def test_sections_are_folded_in_once_their_events_complete(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_on_cuda_idle_time_is_counted_and_busy_time_is_not():
+@pytest.mark.parametrize("events", ["torch", "driver"])
+def test_on_cuda_idle_time_is_counted_and_busy_time_is_not(events):
     import torch
-    wait = DeviceWait(True)
+    make = None
+    if events == "driver":                      # the CUDA driver's events, with the GIL held
+        from vattn.core.driver.cuda import CudaDriver
+        make = CudaDriver("cuda", keep_gil="all").timing_event
+    wait = DeviceWait(True, make_event=make)
     torch.cuda.synchronize()
     wait.begin()                                # an idle device waits for the whole section
     time.sleep(0.02)
@@ -107,3 +112,24 @@ def test_busy_and_the_sink_follow_the_events(monkeypatch):
     wait.begin()
     _Event.clock[2] = 7.0                        # everything before it already done
     assert wait.busy() is False
+
+
+def test_a_driver_event_factory_is_used_and_none_falls_back_to_torch(monkeypatch):
+    """``make_event`` (a CUDA driver's ``timing_event``, whose calls keep the GIL) makes the
+    section's events; where it gives ``None`` (the calls release the GIL there) torch's are made."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    _Event.clock = []
+    made = []
+
+    def factory():
+        made.append(_Event(enable_timing=True))
+        return made[-1]
+    wait = DeviceWait(True, make_event=factory)
+    wait.begin()
+    wait.end()
+    _Event.clock[0:2] = [1.0, 3.0]
+    assert len(made) == 2 and wait.collect().total_us == pytest.approx(2000.0)
+    torch_made = DeviceWait(True, make_event=lambda: None)
+    torch_made.begin()
+    assert isinstance(torch_made._start, _Event) and len(made) == 2

@@ -214,7 +214,7 @@ def test_host_copy_refuses_memory_without_access_and_overlap():
 @pytest.mark.parametrize("keep_gil", [True, False], ids=["direct", "bindings"])
 def test_cuda_paths_with_and_without_the_gil_agree_and_fail_typed(keep_gil):
     """The GIL-holding entry points (core/driver/cuda_direct.py) and cuda.bindings: the same
-    bytes after map / access / zero / copy and a fence after them, the same typed error for a
+    bytes after map / access / zero / copy / a pinned host upload and a fence after them, the same typed error for a
     bad map (not a bad unmap: unmapping reserved VA with nothing mapped succeeds on the H100's
     driver, 580.159)."""
     from vattn.core.driver.cuda import CudaDriver
@@ -228,10 +228,13 @@ def test_cuda_paths_with_and_without_the_gil_agree_and_fail_typed(keep_gil):
         assert view[g + 4096:g + 12288].sum().item() == 0
         assert view[g:g + 4096].float().mean().item() == 9 and view[g + 12288:g + 16384].float().mean().item() == 9
         assert view[g + 16384:].float().mean().item() == 9
-        fence = drv.record_fence()                      # after the copy, on the same stream
+        host = torch.full((4096,), 6, dtype=torch.uint8).pin_memory()
+        drv.copy_from_host(base + 2 * g - 4096, host.data_ptr(), 4096)   # a table upload
+        fence = drv.record_fence()                      # after the copies, on the same stream
         assert type(fence).__name__ == ("DirectFence" if keep_gil else "CudaFence")
         fence.wait()
         assert fence.done()
+        assert view[2 * g - 4096:].float().mean().item() == 6
         torch.cuda.synchronize()
     spare, handle = drv.reserve(g), drv.create(g)
     try:                                                 # half a granule: the driver refuses it

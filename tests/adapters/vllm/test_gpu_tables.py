@@ -137,6 +137,32 @@ def test_uploads_cycle_the_staging_ring_and_each_matches_its_step():
     assert {b.data_ptr() for b in t._staging} == buffers and t.staging_waits == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("through", ["torch", "driver"])
+def test_on_cuda_uploads_through_the_driver_or_torch_land_each_steps_table(through):
+    """On CUDA, with a driver that keeps the GIL everywhere (``VATTN_DRIVER_GIL=hold-all``) the uploads are its ``copy_from_host`` and its
+    fences; without one, torch's ``copy_`` and events: either way every upload lands its step's
+    table, through a ring of buffers the device may still be reading."""
+    from vattn.adapters.vllm.slot_tables import STAGING_RING
+    driver = None
+    if through == "driver":
+        from vattn.core.driver.cuda import CudaDriver
+        driver = CudaDriver("cuda", keep_gil="all")
+    t = SlotTables(max_num_reqs=9, max_num_tokens=64, rows_per_slot=97, padding_slot=11,
+                   device="cuda", driver=driver)
+    assert (t._driver is not None) == (through == "driver")
+    rng = np.random.default_rng(5)
+    for step in range(3 * STAGING_RING + 1):
+        torch.cuda._sleep(1_000_000)             # the device behind: copies still queued
+        for index in rng.choice(9, size=3, replace=False):
+            t.assign(int(index), int(rng.integers(0, 11)))
+        expected = t.slot_of_index.copy()
+        t.upload()
+        t.slot_of_index[:] = 7
+        assert t._slot_dev.tolist() == expected.tolist(), step
+        t.slot_of_index[:] = expected
+
+
 def _runtime(num_blocks=9, reqs=3, max_len=4000, exact=False, prefix_caching=False, driver=None):
     cfg = gl.cache_config(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32,
                           num_blocks=num_blocks, max_num_reqs=reqs, max_model_len=max_len, device="cpu",

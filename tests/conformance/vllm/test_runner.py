@@ -121,7 +121,7 @@ def test_runner_staging_variant_turns_prefix_staging_on_or_off_in_its_engine(mon
     assert _engine_env(monkeypatch, "VATTN_DEFER_MAPPING", ("vattn", "vattn:d0", "vattn:s1:d1")) == [None, "0", "1"]
     assert _engine_env(monkeypatch, "VATTN_DEVICE_WAIT", ("vattn", "vattn:w0", "vattn:d1:w1")) == [None, "0", "1"]
     assert _engine_env(monkeypatch, "VATTN_FREE_RESERVE", ("vattn", "vattn:r0", "vattn:r256")) == [None, "0", "256"]
-    assert _engine_env(monkeypatch, "VATTN_DRIVER_GIL", ("vattn", "vattn:h0", "vattn:h1")) == [None, "release", "hold"]
+    assert _engine_env(monkeypatch, "VATTN_DRIVER_GIL", ("vattn", "vattn:h0", "vattn:h1", "vattn:h2")) == [None, "release", "hold", "hold-all"]
     assert _engine_env(monkeypatch, "VATTN_BATCH_COPIES", ("vattn", "vattn:b0", "vattn:h1:b1")) == [None, "0", "1"]
 
 
