@@ -318,13 +318,15 @@ class CopyBatch:
         self.unit = 0
 
     def takes(self, dst: int, src: int, nbytes: int) -> bool:
-        """Add the copy if it may run with the others; False: make the batch first."""
+        """Add the copy if it may run with the others; False: make the batch first. A copy at
+        addresses not aligned to its size goes alone."""
+        aligned = nbytes > 0 and not (dst % nbytes or src % nbytes)
         if self.copies:
-            if (nbytes != self.unit or dst % nbytes or src % nbytes or src in self.writes
-                    or dst in self.writes or dst in self.reads):
+            if (not aligned or nbytes != self.unit or src in self.writes or dst in self.writes
+                    or dst in self.reads):
                 return False
         else:
-            self.unit = nbytes
+            self.unit = nbytes if aligned else 0        # 0: nothing joins it
         self.copies.append((dst, src, nbytes))
         self.reads.add(src)
         self.writes.add(dst)

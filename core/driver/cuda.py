@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from ..config import env_flag
 from ..errors import ConfigError, DriverError, UnsupportedError
 from .cuda_direct import (LOCATION_DEVICE, SRC_ACCESS_ORDER_STREAM, DirectFence, DirectTimingEvent,
                           MemcpyAttributes, direct_calls)
@@ -100,7 +101,7 @@ class CudaDriver:
         #: (:meth:`copy_from_host`, :meth:`timing_event`)
         self.gil_everywhere = keep_gil == "all" and self._direct is not None
         if batch_copies is None:
-            batch_copies = _flag_from_env(BATCH_COPIES_ENV)
+            batch_copies = env_flag(BATCH_COPIES_ENV, False)
         #: whether :meth:`copy_many` batches (the direct entry point exists and it was asked for)
         self.batch_copies = bool(batch_copies and self._direct is not None
                                  and self._direct.cuMemcpyBatchAsync is not None)
@@ -290,13 +291,6 @@ class CudaDriver:
 
     def close(self) -> None:
         return None
-
-
-def _flag_from_env(name: str) -> bool:
-    value = os.environ.get(name, "0")
-    if value not in ("0", "1"):
-        raise ConfigError(f"{name}: expected '0' or '1', got {value!r}")
-    return value == "1"
 
 
 def _keep_gil_from_env() -> bool | str:

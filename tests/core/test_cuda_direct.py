@@ -208,7 +208,7 @@ def test_a_batch_of_copies_reaches_the_driver_as_arrays_on_a_stream_it_accepts()
     for: one copy each."""
     import enum
     import threading
-    from vattn.core.driver.cuda import CudaDriver, _flag_from_env
+    from vattn.core.driver.cuda import CudaDriver
     from vattn.core.driver.cuda_direct import MemcpyAttributes
 
     class CUresult(enum.IntEnum):
@@ -261,4 +261,3 @@ def test_a_batch_of_copies_reaches_the_driver_as_arrays_on_a_stream_it_accepts()
     drv.batch_copies = False
     drv.copy_many(copies)
     assert singles == [copies[0], *copies]
-    assert _flag_from_env("VATTN_NO_SUCH_FLAG") is False

@@ -100,14 +100,18 @@ def test_queued_copies_in_a_row_are_made_as_batches_of_independent_copies():
     calls.copy_later(1, r1 + 3 * P, r1 + 2 * P, 2 * P)   # another size: alone
     calls.map(r1 + 8 * P, P, "h")
     calls.copy_later(1, g, f, P)                    # after the map: alone
+    calls.copy_later(2, BASE + 2 * RANGE + 8, BASE + 2 * RANGE + P, P)   # not aligned: alone
+    calls.copy_later(2, BASE + 2 * RANGE + 2 * P, BASE + 2 * RANGE + 3 * P, P)
     calls.close_window()
-    assert drv.calls == [] and calls.pending == 7
-    assert calls.issue() == 7
+    assert drv.calls == [] and calls.pending == 9
+    assert calls.issue() == 9
     assert drv.calls == [("copy_many", ((b, a, P), (d, c, P))),
                          ("copy_many", ((e, b, P), (r1 + P, r1, P))),
                          ("copy", r1 + 3 * P, r1 + 2 * P, 2 * P),
                          ("map", r1 + 8 * P, P, "h"),
-                         ("copy", g, f, P)]
+                         ("copy", g, f, P),
+                         ("copy", BASE + 2 * RANGE + 8, BASE + 2 * RANGE + P, P),
+                         ("copy", BASE + 2 * RANGE + 2 * P, BASE + 2 * RANGE + 3 * P, P)]
     calls.copy_later(0, b, a, P)                    # no window: made now
     assert drv.calls[-1] == ("copy", b, a, P) and calls.pending == 0
 
