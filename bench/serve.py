@@ -358,7 +358,8 @@ def run(args: argparse.Namespace) -> int:
     device = device_for(args.device)
     model = prepare_model(args)
     meta = {"engine": args.engine, "engine_version": version, "device": device, "model": model,
-            "workload": workload.__dict__, "modes": list(modes), "rounds": args.rounds, "like_for_like": args.like_for_like,
+            "workload": workload.__dict__, "modes": list(modes), "rounds": args.rounds,
+            "like_for_like": args.like_for_like,
             "engine_args": args.engine_args, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     w = workload
     title = (f"{args.engine} {version} serve, {os.path.basename(model)}, {w.dataset} "

@@ -251,7 +251,8 @@ def run(args) -> int:
     body = "\n\n".join(([_markdown(lat, loops, args)] if lat else []) + ([busy[1]] if busy else []) +
                         ([alias[1]] if alias else []) + ([contended[1]] if contended else []))
     print(body)
-    title = f"vmm ({'CUDA' if args.device.startswith('cuda') else 'host'} backend{f', {only}' if only else ''})"
+    backend = "CUDA" if args.device.startswith("cuda") else "host"
+    title = f"vmm ({backend} backend{f', {only}' if only else ''})"
     write_section(title, body, command_line(), path=args.benchmarks)
     if args.json:
         with open(args.json, "w") as f:

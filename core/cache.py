@@ -295,8 +295,9 @@ class VirtualKVCache:
         through the views between the window and the :meth:`issue` that covers its layer.
         The cache's page-set copies (a block moved out of a slot's way, a copy-on-write) are
         queued per range too; with ``copies=False`` they are queued only behind calls already
-        waiting, else made at once — for a step whose forward makes every range's calls before
-        it starts (a replayed full CUDA graph), where queuing them would only add host work.
+        waiting or where the driver batches copies, else made at once — for a step whose forward
+        makes every range's calls before it starts (a replayed full CUDA graph), where queuing
+        them one by one would only add host work.
 
         See :mod:`vattn.core.deferred` (``DeferredCallError``: a queued call failed when made).
         """

@@ -77,6 +77,8 @@ class DeferredCalls:
         self.on_empty = None
         self._issuing = False             # inside issue(): the calls a job makes go straight through
         self._copies_later = True         # the open window queues copies while nothing waits too
+        #: the driver makes a batch of copies in one call: queuing them always pays
+        self._batches = bool(getattr(driver, "batch_copies", False))
         self.touched: dict[int, int] = {}  # pool page -> the last range whose queued work uses it
 
     # -- the window ------------------------------------------------------------------------------
@@ -174,9 +176,10 @@ class DeferredCalls:
         return threading.get_ident() == self._owner and not self._issuing
 
     def copies_later(self) -> bool:
-        """Whether a page-set copy the calling thread asks for now is queued (:meth:`later`):
-        behind calls that wait, or in a window opened with ``copies=True``."""
-        return self.deferring() or (self._copies_later and self.in_window())
+        """Whether a page-set copy the calling thread asks for now is queued (:meth:`copy_later`):
+        behind calls that wait, or in a window opened with ``copies=True`` or over a driver that
+        batches copies (queued in a row, they are made as one call)."""
+        return self.deferring() or ((self._copies_later or self._batches) and self.in_window())
 
     def later(self, rng: int, job) -> None:
         """Run ``job()`` (host work that reads or writes range ``rng`` through the device, e.g. a

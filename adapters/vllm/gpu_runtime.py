@@ -189,10 +189,9 @@ class GpuRuntime:
                                 copies=len(self._copies), steps=len(self._pending)):
             # a step that admits requests runs a prefill, layer by layer outside full graphs: its
             # page-set copies wait for their ranges there; a decode-only step replays a full
-            # graph, which makes every range's calls before it starts: queuing its copies gains
-            # only where the driver makes the queued ones as one batch
-            queue_copies = bool(self._new) or getattr(self.cache.driver, "batch_copies", False)
-            window = (self.cache.deferred(copies=queue_copies) if self.defer_mapping
+            # graph, which makes every range's calls before it starts (the core still queues
+            # them where the driver batches copies)
+            window = (self.cache.deferred(copies=bool(self._new)) if self.defer_mapping
                       else contextlib.nullcontext())
             with window:
                 self._apply()

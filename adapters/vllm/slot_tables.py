@@ -19,6 +19,7 @@ import warnings
 import numpy as np
 import torch
 
+from vattn.core.driver.cuda import CudaFence
 from vattn.core.errors import SlotError
 
 __all__ = ["SlotTables", "PAD_ROW"]
@@ -43,10 +44,11 @@ class SlotTables:
         The always-mapped slot (``max_slots``) that padding rows and unassigned indices read.
     device : torch.device | str
     driver : optional
-        A CUDA driver that keeps the GIL for the adapters' calls too (``gil_everywhere``:
-        ``VATTN_DRIVER_GIL=hold-all``): the uploads and their ring's fences go through it
-        (``copy_from_host``, ``record_fence``) instead of torch's ``copy_`` and events, which
-        release the GIL and so may wait out another thread's switch interval.
+        The cache's CUDA driver: the ring's fences are its ``record_fence`` (the GIL held where
+        the driver holds it); where it keeps the GIL for the adapters' calls too
+        (``gil_everywhere``: ``VATTN_DRIVER_GIL=hold-all``) the uploads are its
+        ``copy_from_host`` instead of torch's ``copy_``, which releases the GIL and so may wait out
+        another thread's switch interval. Without one: torch's ``copy_`` and events.
     """
 
     def __init__(self, *, max_num_reqs: int, max_num_tokens: int, rows_per_slot: int,
@@ -68,8 +70,13 @@ class SlotTables:
         cuda = self.device.type == "cuda"
         self._staging = [torch.empty(max_num_reqs, dtype=torch.int32, pin_memory=cuda)
                          for _ in range(STAGING_RING)]
-        self._staged: list = [None] * STAGING_RING     # the CUDA event of each buffer's last copy
-        self._driver = driver if cuda and getattr(driver, "gil_everywhere", False) is True else None
+        self._staged: list = [None] * STAGING_RING     # the fence of each buffer's last copy
+        #: where fences come from (a driver's ``record_fence``: with the GIL held where it holds
+        #: it; else torch's events) and whether the upload goes through the driver too
+        through = cuda and driver is not None
+        self._fences = driver.record_fence if through else (CudaFence if cuda else None)
+        everywhere = through and getattr(driver, "gil_everywhere", False) is True
+        self._upload = driver.copy_from_host if everywhere else None
         self._ring = 0
         self.staging_waits = 0                          # uploads that waited for a buffer
         #: one Triton launch for the slot mapping (CUDA); the torch form elsewhere
@@ -113,21 +120,18 @@ class SlotTables:
             return
         i = self._ring
         self._ring = (i + 1) % STAGING_RING
-        event = self._staged[i]
-        if event is not None and not _done(event):      # the device is STAGING_RING uploads behind
+        fence = self._staged[i]
+        if fence is not None and not fence.done():      # the device is STAGING_RING uploads behind
             self.staging_waits += 1
-            _wait(event)
+            fence.wait()
         buf = self._staging[i]
         buf.numpy()[:] = self.slot_of_index
-        if self._driver is not None:                    # the GIL held through both calls
-            self._driver.copy_from_host(self._slot_dev.data_ptr(), buf.data_ptr(), buf.nbytes)
-            self._staged[i] = self._driver.record_fence()
+        if self._upload is not None:                    # the GIL held (hold-all)
+            self._upload(self._slot_dev.data_ptr(), buf.data_ptr(), buf.nbytes)
         else:
             self._slot_dev.copy_(buf, non_blocking=True)
-            if self.device.type == "cuda":
-                if event is None:
-                    event = self._staged[i] = torch.cuda.Event()
-                event.record()
+        if self._fences is not None:
+            self._staged[i] = self._fences()
         self._dirty = False
 
     # -- device side -------------------------------------------------------------------------
@@ -187,14 +191,3 @@ class SlotTables:
         self.slot_mapping.fill_(PAD_ROW)
         return self.slot_mapping[:, :num_tokens]
 
-
-def _done(event) -> bool:
-    """A torch event's ``query`` or a driver fence's ``done``."""
-    return event.query() if isinstance(event, torch.cuda.Event) else event.done()
-
-
-def _wait(event) -> None:
-    if isinstance(event, torch.cuda.Event):
-        event.synchronize()
-    else:
-        event.wait()

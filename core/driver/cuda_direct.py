@@ -27,7 +27,8 @@ from __future__ import annotations
 import ctypes
 from ctypes import c_size_t, c_ubyte, c_uint64, c_void_p
 
-__all__ = ["DirectCalls", "DirectEvent", "DirectFence", "DirectTimingEvent", "MemcpyAttributes", "direct_calls", "SIGNATURES", "OPTIONAL"]
+__all__ = ["DirectCalls", "DirectEvent", "DirectFence", "DirectTimingEvent", "MemcpyAttributes",
+           "direct_calls", "SIGNATURES", "OPTIONAL"]
 
 #: CUDA version asked of ``cuGetProcAddress``: the newest ABI of each call up to it (the ``_v2``
 #: copy and memset, the 10.2 VMM calls)
@@ -157,7 +158,8 @@ class DirectTimingEvent(DirectEvent):
 
     def elapsed_time(self, end: "DirectTimingEvent") -> float:
         ms = ctypes.c_float()
-        self._check("cuEventElapsedTime", self._calls.cuEventElapsedTime(ctypes.byref(ms), self._event, end._event))
+        err = self._calls.cuEventElapsedTime(ctypes.byref(ms), self._event, end._event)
+        self._check("cuEventElapsedTime", err)
         return ms.value
 
 

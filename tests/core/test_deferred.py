@@ -116,6 +116,21 @@ def test_queued_copies_in_a_row_are_made_as_batches_of_independent_copies():
     assert drv.calls[-1] == ("copy", b, a, P) and calls.pending == 0
 
 
+def test_a_window_without_copies_still_queues_them_over_a_driver_that_batches():
+    """``copies=False`` (a step replaying a full graph) makes copies at once one by one, unless
+    the driver makes a batch in one call: then they are queued, to go as one batch."""
+    drv, calls = _calls()
+    calls.open_window(copies=False)
+    assert calls.in_window() and not calls.copies_later()
+    calls.close_window()
+    drv.batch_copies = True
+    batching = DeferredCalls(drv, base=BASE, range_bytes=RANGE, num_ranges=3)
+    batching.open_window(copies=False)
+    assert batching.copies_later()
+    batching.close_window()
+    assert not batching.copies_later()                # no window: made now
+
+
 def test_a_failed_batch_of_copies_is_final_and_names_its_first_copy():
     drv, calls = _calls()
     drv.fail = {("copy_many", ((BASE + 4096, BASE, 4096), (BASE + 3 * 4096, BASE + 2 * 4096, 4096)))}

@@ -214,9 +214,9 @@ def test_host_copy_refuses_memory_without_access_and_overlap():
 @pytest.mark.parametrize("keep_gil", [True, False], ids=["direct", "bindings"])
 def test_cuda_paths_with_and_without_the_gil_agree_and_fail_typed(keep_gil):
     """The GIL-holding entry points (core/driver/cuda_direct.py) and cuda.bindings: the same
-    bytes after map / access / zero / copy / a pinned host upload and a fence after them, the same typed error for a
-    bad map (not a bad unmap: unmapping reserved VA with nothing mapped succeeds on the H100's
-    driver, 580.159)."""
+    bytes after map / access / zero / copy / a pinned host upload and a fence after them, the
+    same typed error for a bad map (not a bad unmap: unmapping reserved VA with nothing mapped
+    succeeds on the H100's driver, 580.159)."""
     from vattn.core.driver.cuda import CudaDriver
     drv = CudaDriver("cuda", keep_gil=keep_gil)
     assert (drv.gil == "held") == keep_gil

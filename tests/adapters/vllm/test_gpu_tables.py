@@ -140,9 +140,10 @@ def test_uploads_cycle_the_staging_ring_and_each_matches_its_step():
 @pytest.mark.gpu
 @pytest.mark.parametrize("through", ["torch", "driver"])
 def test_on_cuda_uploads_through_the_driver_or_torch_land_each_steps_table(through):
-    """On CUDA, with a driver that keeps the GIL everywhere (``VATTN_DRIVER_GIL=hold-all``) the uploads are its ``copy_from_host`` and its
-    fences; without one, torch's ``copy_`` and events: either way every upload lands its step's
-    table, through a ring of buffers the device may still be reading."""
+    """On CUDA, with a driver that keeps the GIL everywhere (``VATTN_DRIVER_GIL=hold-all``) the
+    uploads are its ``copy_from_host`` and its fences; without one, torch's ``copy_`` and events:
+    either way every upload lands its step's table, through a ring of buffers the device may
+    still be reading."""
     from vattn.adapters.vllm.slot_tables import STAGING_RING
     driver = None
     if through == "driver":
@@ -150,7 +151,7 @@ def test_on_cuda_uploads_through_the_driver_or_torch_land_each_steps_table(throu
         driver = CudaDriver("cuda", keep_gil="all")
     t = SlotTables(max_num_reqs=9, max_num_tokens=64, rows_per_slot=97, padding_slot=11,
                    device="cuda", driver=driver)
-    assert (t._driver is not None) == (through == "driver")
+    assert (t._upload is not None) == (through == "driver")
     rng = np.random.default_rng(5)
     for step in range(3 * STAGING_RING + 1):
         torch.cuda._sleep(1_000_000)             # the device behind: copies still queued
