@@ -38,7 +38,7 @@ from vattn.core.errors import ConfigError, UnsupportedError
 
 from .serve_clients import (DATASETS, ClientError, Workload, check_vllm_version, client_command,
                             parse_result, read_result, run_client)
-from .serve_engines import ENGINES, MODES, Server, server_command, free_port
+from .serve_engines import ENGINES, MODES, Server, free_port, mode_base, server_command
 from .serve_report import markdown, plot
 
 __all__ = ["add_arguments", "add_server_arguments", "run", "order", "modes_of", "prepare_model", "run_rounds",
@@ -75,9 +75,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
     parser.add_argument("--dataset", choices=DATASETS, default="random")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+    parser.add_argument("--modes", nargs="+", default=list(MODES),
                         help="the modes of every round, in order (default: stock vattn; one of them "
-                             "alone re-runs that side, with no ratio in the report)")
+                             "alone re-runs that side, with no ratio in the report; vLLM also takes "
+                             "the conformance runner's vattn variants, e.g. vattn:h1 vattn:b0, "
+                             "each compared with stock)")
     parser.add_argument("--rounds", type=argtypes.positive_int, default=2,
                         help="rounds of (stock, vattn), each a fresh server per mode")
     parser.add_argument("--rate", type=rate, default=8.0, help="requests/s (Poisson), or inf")
@@ -115,19 +117,22 @@ def order(rounds: int, modes=MODES) -> list[tuple[int, str]]:
 
 
 def modes_of(args) -> tuple[str, ...]:
-    """``--modes`` (default every mode of :data:`MODES`), each at most once.
+    """``--modes`` (default every mode of :data:`MODES`), each at most once; for vLLM also vattn
+    variants (:func:`~.serve_engines.mode_base`).
 
     Raises
     ------
     ConfigError
-        A mode named twice, or none.
+        A mode named twice, or one the engine's servers do not take.
     """
     modes = tuple(getattr(args, "modes", None) or MODES)
     if len(set(modes)) != len(modes):
         raise ConfigError(f"--modes: expected each mode at most once, got {' '.join(modes)}")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ConfigError(f"--modes: expected some of {', '.join(MODES)}, got {' '.join(unknown)}")
+    for mode in modes:
+        try:
+            mode_base(getattr(args, "engine", "vllm"), mode)
+        except ConfigError as exc:
+            raise ConfigError(f"--modes: {exc}") from None
     return modes
 
 
@@ -274,7 +279,7 @@ def _one_run(args, model: str, workload: Workload, device: str, rnd: int, mode: 
     row = {"engine": args.engine, "model": model, "dataset": workload.dataset, "round": rnd,
            "mode": mode, "server_argv": spec.argv,
            "server_env": {k: v for k, v in spec.env.items() if v is not None}}
-    if mode != "stock":          # vattn's counters, written by the engine's worker (one file per rank),
+    if mode_base(args.engine, mode) != "stock":          # vattn's counters, written by the engine's worker (one file per rank),
         # every 5 s while it serves (a JSON dump on the step's path: rare enough not to count)
         # and once it is idle
         spec.env["VATTN_METRICS"] = os.path.join(os.path.abspath(run_dir), "vattn_metrics_{pid}.json")
@@ -292,7 +297,7 @@ def _one_run(args, model: str, workload: Workload, device: str, rnd: int, mode: 
                        timeout_s=args.client_timeout, env=client_env)
         row.update(parse_result(args.engine, read_result(args.engine, result),
                                 expected=workload.num_prompts))
-        if mode != "stock":
+        if mode_base(args.engine, mode) != "stock":
             row["vattn"] = vattn_counters(run_dir, args.engine)
         if profile_dir is not None:
             row["profile"] = profile_summary(profile_dir)

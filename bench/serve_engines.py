@@ -12,7 +12,9 @@ defaults; ``vattn`` adds ``VATTN_VLLM=1`` and what the conformance runner's vatt
 on the CPU platform); prefix caching stays vLLM's default (on) in both modes, as vattn serves it
 on both paths. Both modes get the runner's environment
 (:meth:`vattn.conformance.runners.vllm.VllmRunner.env_for`: the V2 model runner on GPU, a 1 GiB
-KV space on CPU).
+KV space on CPU). A vLLM mode may also be one of the runner's vattn variants (``vattn:h1``,
+``vattn:d0:b0``, ...): the vattn server with the variant's switches in its environment
+(:func:`mode_base`); the switches of the outer environment reach no server.
 
 SGLang (``python -m sglang.launch_server``): ``stock`` is the server with its defaults
 (``SGLANG_USE_SGL_FA3_KERNEL=1`` in both modes, as the conformance runner has it); ``vattn`` adds
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 
 from vattn.core.errors import ConfigError, VattnError
 
-__all__ = ["ENGINES", "MODES", "ServerError", "ServerSpec", "Server", "server_command",
+__all__ = ["ENGINES", "MODES", "ServerError", "ServerSpec", "Server", "server_command", "mode_base",
            "has_weights", "free_port", "log_tail", "root_cause"]
 
 ENGINES = ("vllm", "sglang")
@@ -82,6 +84,26 @@ def has_weights(model_dir: str) -> bool:
     return any(name.endswith((".safetensors", ".bin", ".pt")) for name in os.listdir(model_dir))
 
 
+def mode_base(engine: str, mode: str) -> str:
+    """``stock`` or ``vattn`` for ``mode``: one of :data:`MODES` or, for vLLM, a vattn variant of
+    the conformance runner (``vattn:h2:b1``: its switches set in the server's environment,
+    :func:`vattn.conformance.runners.vllm.base_mode`).
+
+    Raises
+    ------
+    ConfigError
+        Anything else (SGLang's servers take no variants).
+    """
+    if mode in MODES:
+        return mode
+    if engine == "vllm" and ":" in mode and "@" not in mode:
+        from vattn.conformance.runners.vllm import base_mode
+        if base_mode(mode) == "vattn":
+            return "vattn"
+    variants = " or a vattn variant such as vattn:h2:b1" if engine == "vllm" else ""
+    raise ConfigError(f"mode must be one of {', '.join(MODES)}{variants} for {engine}, got {mode!r}")
+
+
 def server_command(engine: str, mode: str, model_dir: str, *, port: int, device: str = "cuda",
                    extra_args: list[str] | tuple[str, ...] = (), like_for_like: bool = False,
                    host: str = "127.0.0.1") -> ServerSpec:
@@ -94,15 +116,14 @@ def server_command(engine: str, mode: str, model_dir: str, *, port: int, device:
     """
     if engine not in ENGINES:
         raise ConfigError(f"engine must be one of {ENGINES}, got {engine!r}")
-    if mode not in MODES:
-        raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+    base = mode_base(engine, mode)
     argv = ["-m", _SERVER_MODULE[engine], _MODEL_FLAG[engine], model_dir, "--host", host,
             "--port", str(port)]
     if not has_weights(model_dir):
         argv += ["--load-format", "dummy"]
     forced, env = (_vllm_mode if engine == "vllm" else _sglang_mode)(mode, device, model_dir)
     backend = {"--attention-backend"}
-    if mode == "vattn":
+    if base == "vattn":
         argv += forced
     elif like_for_like:
         vattn_flags, _ = (_vllm_mode if engine == "vllm" else _sglang_mode)("vattn", device, model_dir)
@@ -114,14 +135,15 @@ def server_command(engine: str, mode: str, model_dir: str, *, port: int, device:
 def _vllm_mode(mode: str, device: str, model_dir: str) -> tuple[list[str], dict]:
     from vattn.conformance.runners.vllm import VllmRunner
     from vattn.conformance.workers.vllm import engine_kwargs
-    spec = dict(mode=mode, device=device, model_dir=model_dir, dtype="auto", sizing="defaults",
-                max_model_len=None, max_num_seqs=None)
+    base = mode_base("vllm", mode)
+    spec = dict(mode=base, run_name=mode, device=device, model_dir=model_dir, dtype="auto",
+                sizing="defaults", max_model_len=None, max_num_seqs=None)
     runner_env = VllmRunner(device=device).env_for(spec)
     env: dict[str, str | None] = {k: v for k, v in runner_env.items() if os.environ.get(k) != v}
     env |= {k: None for k in os.environ if k not in runner_env}   # e.g. VATTN_VLLM for stock
-    env.setdefault("VATTN_VLLM", None if mode == "stock" else "1")
+    env.setdefault("VATTN_VLLM", None if base == "stock" else "1")
     flags = []
-    if mode == "vattn":
+    if base == "vattn":
         backend = engine_kwargs(spec).get("attention_backend")
         if backend:
             flags += ["--attention-backend", backend]

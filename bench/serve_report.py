@@ -2,7 +2,9 @@
 
 A row is one run (one fresh server + one client run): ``mode``, ``round`` and the metrics of
 :data:`vattn.bench.serve_clients.METRICS`, or ``error`` for a run that failed. Rounds alternate
-the modes (stock, vattn, stock, vattn, ...), so the pair of one round ran next to each other.
+the modes (stock, vattn, stock, vattn, ...), so the runs of one round ran next to each other.
+Every mode other than ``stock`` (``vattn`` or a vattn variant such as ``vattn:h1``) gets its own
+column and its ratio to stock of the same round.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import statistics
 from .engine_profile import FAMILIES as PROFILE_FAMILIES
 from .serve_clients import METRICS
 
-__all__ = ["TABLE_METRICS", "LOWER_IS_BETTER", "summarize", "round_ratios", "markdown", "plot"]
+__all__ = ["TABLE_METRICS", "LOWER_IS_BETTER", "modes_in", "summarize", "round_ratios", "markdown", "plot"]
 
 #: (key, label) of the table's rows, in order
 TABLE_METRICS = (
@@ -29,10 +31,18 @@ def _ok(rows: list[dict], mode: str) -> list[dict]:
                   key=lambda r: r["round"])
 
 
-def summarize(rows: list[dict], modes=("stock", "vattn")) -> dict:
-    """``{mode: {metric: {"median", "min", "max", "n"}}}`` over the mode's successful rounds."""
+def modes_in(rows: list[dict]) -> list[str]:
+    """``stock`` first, then the other modes of ``rows`` in the order they ran (``vattn`` when
+    there is none)."""
+    others = list(dict.fromkeys(r["mode"] for r in rows if r.get("mode") not in (None, "stock")))
+    return ["stock"] + (others or ["vattn"])
+
+
+def summarize(rows: list[dict], modes=None) -> dict:
+    """``{mode: {metric: {"median", "min", "max", "n"}}}`` over the mode's successful rounds
+    (``modes``: :func:`modes_in` of the rows)."""
     out = {}
-    for mode in modes:
+    for mode in modes or modes_in(rows):
         good = _ok(rows, mode)
         out[mode] = {}
         for key in METRICS:
@@ -67,24 +77,29 @@ def _num(value: float) -> str:
 
 def markdown(rows: list[dict], *, title: str = "vattn bench serve", notes: list[str] | None = None) -> str:
     """The Markdown report: the medians table, each run's status, notes (skipped rounds, ...)."""
-    stats = summarize(rows)
+    modes = modes_in(rows)
+    others = modes[1:]
+    stats = summarize(rows, modes)
     lines = [f"### {title}", ""]
-    n = {m: len(_ok(rows, m)) for m in ("stock", "vattn")}
-    lines += [f"Rounds that ran: stock {n['stock']}, vattn {n['vattn']} (order stock, vattn per round, "
-              f"a fresh server per run). Ratio = vattn / stock of the same round; "
-              f"↑ higher is better, ↓ lower is better.", "",
-              "| metric | stock median (min–max) | vattn median (min–max) | vattn/stock per round | median ratio |",
-              "|---|---|---|---|---|"]
+    ran = ", ".join(f"{m} {len(_ok(rows, m))}" for m in modes)
+    order = list(dict.fromkeys(r["mode"] for r in rows if r.get("round") == 1)) or modes
+    lines += [f"Rounds that ran: {ran} (order {', '.join(order)} per round, a fresh server per "
+              f"run). Ratio = mode / stock of the same round; ↑ higher is better, ↓ lower is "
+              f"better.", "",
+              "| metric | " + " | ".join(f"{m} median (min–max)" for m in modes) + " | "
+              + " | ".join(f"{m}/stock per round | median ratio" for m in others) + " |",
+              "|---" * (1 + len(modes) + 2 * len(others)) + "|"]
     for key, label in TABLE_METRICS:
         cells = []
-        for mode in ("stock", "vattn"):
+        for mode in modes:
             s = stats[mode].get(key)
             cells.append("–" if s is None else f"{_num(s['median'])} ({_num(s['min'])}–{_num(s['max'])})")
-        ratios = round_ratios(rows, key)
-        per_round = ", ".join(f"r{r}: {v:.3f}" for r, v in ratios) or "–"
-        median = f"{statistics.median(v for _, v in ratios):.3f}" if ratios else "–"
+        for mode in others:
+            ratios = round_ratios(rows, key, other=mode)
+            cells.append(", ".join(f"r{r}: {v:.3f}" for r, v in ratios) or "–")
+            cells.append(f"{statistics.median(v for _, v in ratios):.3f}" if ratios else "–")
         arrow = "↓" if key in LOWER_IS_BETTER else "↑"
-        lines.append(f"| {label} {arrow} | {cells[0]} | {cells[1]} | {per_round} | {median} |")
+        lines.append(f"| {label} {arrow} | " + " | ".join(cells) + " |")
     lines += ["", "| run | round | mode | server start (s) | status |", "|---|---|---|---|---|"]
     for i, r in enumerate(rows, 1):
         status = "ok" if not r.get("error") else f"FAILED: {str(r['error']).splitlines()[0][:160]}"
@@ -116,12 +131,13 @@ def _vattn_table(rows: list[dict]) -> list[str]:
              "|---" * (2 + len(VATTN_COLUMNS)) + "|"]
     for r in runs:
         v = r["vattn"]
+        run = r["round"] if r.get("mode") in (None, "vattn") else f"{r['round']} {r['mode']}"
         if "vattn_metrics_error" in v:
-            lines.append(f"| {r['round']} | {v['vattn_metrics_error']} |" + " |" * len(VATTN_COLUMNS))
+            lines.append(f"| {run} | {v['vattn_metrics_error']} |" + " |" * len(VATTN_COLUMNS))
             continue
         path = v.get("vmm_critical_path") or {}
         host = ", ".join(f"{k} {ms:g}" for k, ms in (path.get("host_ms") or {}).items()) or "–"
-        lines.append(f"| {r['round']} | {host} | "
+        lines.append(f"| {run} | {host} | "
                      + " | ".join(_num(path.get(key)) if isinstance(path.get(key), (int, float)) else "–"
                                   for key, _ in VATTN_COLUMNS) + " |")
     return lines
@@ -171,7 +187,8 @@ def plot(rows: list[dict], path: str, *, title: str = "vattn bench serve") -> st
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, lat in zip(axes, ("ttft", "tpot")):
-        for mode, color in (("stock", "tab:blue"), ("vattn", "tab:orange")):
+        for mode, color in zip(modes_in(rows), ("tab:blue", "tab:orange", "tab:green", "tab:red",
+                                                "tab:purple", "tab:brown")):
             good = _ok(rows, mode)
             for stat, style in (("p50", "-o"), ("p99", "--s")):
                 xs = [r["round"] for r in good if r.get(f"{lat}_{stat}_ms") is not None]

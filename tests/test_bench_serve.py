@@ -411,3 +411,44 @@ def test_modes_run_alone_or_reordered_and_are_checked(monkeypatch):
     args.modes = ["vattn", "vattn"]
     with pytest.raises(ConfigError, match="at most once"):
         serve.run_rounds(args, "m", None, "cpu", log=lambda *_: None)
+
+
+def test_vllm_vattn_variants_start_vattns_server_with_their_switches(tmp_path):
+    """``vattn:h1:b0`` is the vattn server with the runner's switches in its environment (the
+    outer environment's own values of them do not leak into any mode)."""
+    model = _config(tmp_path)
+    spec = server_command("vllm", "vattn:h1:b0", model, port=1, device="cuda")
+    assert spec.argv[spec.argv.index("--attention-backend") + 1] == "CUSTOM"
+    assert spec.env["VATTN_VLLM"] == "1"
+    assert spec.env["VATTN_DRIVER_GIL"] == "hold" and spec.env["VATTN_BATCH_COPIES"] == "0"
+    plain = server_command("vllm", "vattn", model, port=1, device="cuda")
+    assert "VATTN_DRIVER_GIL" not in plain.environ() and "VATTN_BATCH_COPIES" not in plain.environ()
+    for bad in ("vattn:x9", "stock:h1", "vattn:h1@2", "vattn:h1:h2", "vattn-exact:h1"):
+        with pytest.raises(ConfigError, match="mode must be one of stock, vattn or a vattn variant"):
+            server_command("vllm", bad, model, port=1, device="cuda")
+    with pytest.raises(ConfigError, match="mode must be one of stock, vattn for sglang, got 'vattn:h1'"):
+        server_command("sglang", "vattn:h1", model, port=1, device="cuda")
+
+
+def test_modes_of_takes_vllm_variants_and_refuses_them_for_sglang():
+    args = type("A", (), {"engine": "vllm", "modes": ["stock", "vattn", "vattn:h1"]})()
+    assert serve.modes_of(args) == ("stock", "vattn", "vattn:h1")
+    args.engine = "sglang"
+    with pytest.raises(ConfigError, match="--modes: mode must be one of stock, vattn for sglang"):
+        serve.modes_of(args)
+
+
+def test_report_has_a_column_and_a_ratio_per_variant(tmp_path):
+    rows = [_row(1, "stock", 1.0), _row(1, "vattn", 1.1), _row(1, "vattn:h1", 0.5),
+            _row(2, "stock", 2.0), _row(2, "vattn", 1.8), _row(2, "vattn:h1", 2.0)]
+    assert serve_report.modes_in(rows) == ["stock", "vattn", "vattn:h1"]
+    text = serve_report.markdown(rows, title="t")
+    assert "order stock, vattn, vattn:h1 per round" in text
+    head = next(l for l in text.splitlines() if l.startswith("| metric"))
+    assert head.count("median (min–max)") == 3 and "vattn:h1/stock per round" in head
+    line = next(l for l in text.splitlines() if l.startswith("| requests/s"))
+    assert "r1: 1.100, r2: 0.900 | 1.000 |" in line and "r1: 0.500, r2: 1.000 | 0.750 |" in line
+    rows[2]["vattn"] = {"vmm_critical_path": {"host_ms": {"apply": 1.0}}}
+    assert "| 1 vattn:h1 | apply 1 |" in serve_report.markdown(rows)
+    pytest.importorskip("matplotlib")
+    assert serve_report.plot(rows, str(tmp_path / "p.png"))

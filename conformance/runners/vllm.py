@@ -22,10 +22,10 @@ where the engine's graphs allow it); ``vattn:w0`` without the CUDA events that t
 idle time behind vattn's step (``VATTN_DEVICE_WAIT=0``: they release the GIL); ``vattn:r0`` /
 ``vattn:rN`` with no / ``N`` page-sets kept free for bursts (``VATTN_FREE_RESERVE``; the GPU
 runner's default: none); ``vattn:h1`` / ``vattn:h0`` with the step's driver calls holding /
-releasing the GIL (``VATTN_DRIVER_GIL=hold`` / ``release``; default: hold), ``vattn:h2`` with the
-slot-table uploads and device-wait events through the driver too (``hold-all``); ``vattn:b1`` /
-``vattn:b0`` with a step's page-set copies made as one ``cuMemcpyBatchAsync`` / one call each
-(``VATTN_BATCH_COPIES``; default: 0). Variants
+releasing the GIL (``VATTN_DRIVER_GIL=hold`` / ``release``), ``vattn:h2`` with the
+slot-table uploads and device-wait events through the driver too (``hold-all``, the default);
+``vattn:b1`` / ``vattn:b0`` with a step's page-set copies made as one ``cuMemcpyBatchAsync`` / one
+call each (``VATTN_BATCH_COPIES``; default: 1). Variants
 combine: ``vattn:g2:p0``.
 """
 
@@ -39,7 +39,7 @@ from vattn.core.errors import ConfigError, UnsupportedError
 
 from .process import run_worker
 
-__all__ = ["VllmRunner", "WORKER"]
+__all__ = ["VllmRunner", "WORKER", "base_mode"]
 
 #: the worker every mode's engine process runs
 WORKER = "vattn.conformance.workers.vllm"
@@ -191,6 +191,9 @@ def _base(mode: str) -> str:
         return name if ok else mode
     return base
 
+
+#: the public name of :func:`_base` (``vattn bench serve`` checks its ``--modes`` with it)
+base_mode = _base
 
 _VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+|d[01]|w[01]|r[0-9]+|h[012]|b[01]")
 

@@ -19,13 +19,13 @@ from .cuda_direct import (LOCATION_DEVICE, SRC_ACCESS_ORDER_STREAM, DirectFence,
 
 __all__ = ["CudaDriver", "CudaFence", "DRIVER_GIL_ENV", "BATCH_COPIES_ENV"]
 
-#: ``hold`` (the default): the step's VMM calls and fences keep the GIL (:mod:`.cuda_direct`);
-#: ``hold-all``: also the engine adapters' per-step torch calls that have a driver form (the slot
-#: table's upload and its fences, the device-wait events; opt-in until it has run on a GPU);
+#: ``hold-all`` (the default): the step's VMM calls and fences keep the GIL (:mod:`.cuda_direct`),
+#: and so do the engine adapters' per-step torch calls that have a driver form (the slot table's
+#: upload and its fences, the device-wait events); ``hold``: the VMM calls and fences only;
 #: ``release``: every call through ``cuda.bindings`` and torch's events, which release it
 DRIVER_GIL_ENV = "VATTN_DRIVER_GIL"
 #: ``1``: :meth:`CudaDriver.copy_many` makes a batch of copies with one ``cuMemcpyBatchAsync``
-#: (CUDA 13 drivers); ``0`` (the default until it has run on a GPU): one call per copy
+#: (CUDA 13 drivers; the default where the driver has it); ``0``: one call per copy
 BATCH_COPIES_ENV = "VATTN_BATCH_COPIES"
 
 
@@ -101,7 +101,7 @@ class CudaDriver:
         #: (:meth:`copy_from_host`, :meth:`timing_event`)
         self.gil_everywhere = keep_gil == "all" and self._direct is not None
         if batch_copies is None:
-            batch_copies = env_flag(BATCH_COPIES_ENV, False)
+            batch_copies = env_flag(BATCH_COPIES_ENV, True)
         #: whether :meth:`copy_many` batches (the direct entry point exists and it was asked for)
         self.batch_copies = bool(batch_copies and self._direct is not None
                                  and self._direct.cuMemcpyBatchAsync is not None)
@@ -294,8 +294,8 @@ class CudaDriver:
 
 
 def _keep_gil_from_env() -> bool | str:
-    """``hold`` -> True, ``hold-all`` -> ``"all"``, ``release`` -> False."""
-    value = os.environ.get(DRIVER_GIL_ENV, "hold")
+    """``hold-all`` (the default) -> ``"all"``, ``hold`` -> True, ``release`` -> False."""
+    value = os.environ.get(DRIVER_GIL_ENV, "hold-all")
     modes = {"hold": True, "hold-all": "all", "release": False}
     if value not in modes:
         raise ConfigError(f"{DRIVER_GIL_ENV}: expected 'hold', 'hold-all' or 'release', got {value!r}")

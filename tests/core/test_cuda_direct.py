@@ -134,7 +134,9 @@ def test_a_timing_event_records_on_the_current_stream_and_times_through_the_entr
 
 def test_gil_switch(monkeypatch):
     monkeypatch.delenv(DRIVER_GIL_ENV, raising=False)
-    assert _keep_gil_from_env() is True                   # the default since it ran on a GPU
+    assert _keep_gil_from_env() == "all"                  # the default since it ran on a GPU
+    monkeypatch.setenv(DRIVER_GIL_ENV, "hold")
+    assert _keep_gil_from_env() is True
     monkeypatch.setenv(DRIVER_GIL_ENV, "release")
     assert _keep_gil_from_env() is False
     monkeypatch.setenv(DRIVER_GIL_ENV, "hold-all")

@@ -19,7 +19,11 @@
 #                     not yet measured); VATTN_PROMPTS_1B / VATTN_PROMPTS_8B (default 800 / 320:
 #                     about 20 s of arrivals each)
 #   VATTN_ROUNDS      rounds per shape (default 2); VATTN_SERVE_MODES the modes of a round
-#                     (default "stock vattn"; one alone re-runs that side, no ratio)
+#                     (default "stock vattn"; one alone re-runs that side, no ratio; vLLM also
+#                     takes the runner's vattn variants, e.g. "stock vattn vattn:h1:b0", each
+#                     with its own column and ratio to stock)
+#   VATTN_TRACE_STEPS=1  every vattn server writes its step trace (core/step_trace.py) to
+#                     steps/<pid>.json in the results (`vattn bench steps --results DIR`)
 #   VATTN_SERVE_ARGS  extra server arguments for both modes (e.g. "--max-num-seqs 256")
 #   VATTN_PROFILE_STEPS  vLLM: profile that many engine steps of every run (`--profile-steps`;
 #                     default 0 = off), VATTN_PROFILE_DELAY steps after the client starts
@@ -41,6 +45,7 @@ begin_run serve 530
 ENGINE=${VATTN_ENGINE:-vllm}
 use_engine "$ENGINE" || exit 2
 export VATTN_MODELS=${VATTN_MODELS:-$W/models}   # config-only models (a few kB each)
+[ "${VATTN_TRACE_STEPS:-0}" = 1 ] && export VATTN_STEP_TRACE="$R/steps/{pid}.json"
 
 pack() {
   local tmp=$W/pack.$BASHPID.tgz
