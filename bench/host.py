@@ -95,6 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with the scheduler: before the generations, one untimed request of the "
                              "first prompt for 2 tokens, as the engine stages warm up (a shared "
                              "prefix is then cached before the first burst)")
+    parser.add_argument("--arrive-every", type=argtypes.non_negative_float, default=0.0,
+                        help="with the scheduler: engine steps between two requests' arrivals, as a "
+                             "server receives them (40 req/s at ~7 ms a step: 3.6); the table then "
+                             "gives apply's µs per step (mean, p50, p99); default 0: all at once")
     parser.add_argument("--fence-policy", choices=("retire", "wait"), default="retire",
                         help="with --fence-lag: a released slot's pages whose fence is pending are "
                              "handed on at once and unmapped once it completes (retire: vLLM's GPU "
@@ -218,11 +222,11 @@ def run_prefix(args) -> int:
     stage = None if args.stage_prefixes is None else args.stage_prefixes == "on"
     scheduled = (args.pool_fraction != 1 or args.fence_lag > 0 or args.max_batched_tokens is not None
                  or stage is not None or args.pack_mb > 0 or args.warm_up or args.defer_mapping
-                 or args.free_reserve > 0)
+                 or args.free_reserve > 0 or args.arrive_every > 0)
     if scheduled and args.workload == "multi-turn":
         raise ConfigError("--pool-fraction / --fence-lag / --max-batched-tokens / --stage-prefixes / --pack-mb / "
-                          "--warm-up / --defer-mapping / --free-reserve run decode-heavy or shared-prefix, "
-                          "not multi-turn")
+                          "--warm-up / --defer-mapping / --free-reserve / --arrive-every run decode-heavy or "
+                          "shared-prefix, not multi-turn")
     turns = args.generations + 1
     longest = args.prompt + args.new + ((turns - 1) * (args.new + args.user) if args.workload == "multi-turn" else 0)
     fences = None
@@ -255,7 +259,7 @@ def run_prefix(args) -> int:
             if scheduled:
                 runs.append(scheduled_generation(rt, pool, prompts, args.new, max_running=seqs,
                                                  fences=fences, max_batched_tokens=args.max_batched_tokens,
-                                                 settle=stage is not None))
+                                                 settle=stage is not None, arrive_every=args.arrive_every))
                 continue
             runs.append(prefix_generation(rt, pool, prompts, args.new))
             tokens = runs[-1].pop("tokens")
@@ -273,10 +277,16 @@ def run_prefix(args) -> int:
         for r in runs:
             r["calls"]["pages_aliased_on_path"] = r["calls"]["pages_aliased"] - r["calls"]["page_sets_staged"] * ranges
     timed = ("on_blocks", "apply", "release") + (("issue", "first_range") if args.defer_mapping else ())
-    rows = ["| generation | " + " | ".join(f"{k} ms" for k in timed) + " | " + " | ".join(counted) + " |",
-            "|---" * (1 + len(timed) + len(counted)) + "|"]
+    per_step = ("apply µs/step mean", "p50", "p99") if args.arrive_every else ()
+    rows = ["| generation | " + " | ".join(f"{k} ms" for k in timed) + "".join(f" | {k}" for k in per_step)
+            + " | " + " | ".join(counted) + " |",
+            "|---" * (1 + len(timed) + len(per_step) + len(counted)) + "|"]
     for n, r in enumerate(runs, start=1):
-        rows.append(f"| {n} | " + " | ".join(f"{r[k] * 1e3:.1f}" for k in timed) + " | "
+        steps_us = sorted(r.pop("apply_us", ()) or (0.0,))
+        pcts = (sum(steps_us) / len(steps_us), steps_us[len(steps_us) // 2],
+                steps_us[min(len(steps_us) - 1, int(0.99 * len(steps_us)))]) if per_step else ()
+        rows.append(f"| {n} | " + " | ".join(f"{r[k] * 1e3:.1f}" for k in timed)
+                    + "".join(f" | {v:.0f}" for v in pcts) + " | "
                     + " | ".join(str(r["calls"][k]) for k in counted) + " |")
     md = (f"vattn's host work per generation with vLLM's prefix caching on ({args.workload}, {args.batch} "
           f"requests, {args.prompt} in" + (f" of which {args.shared} shared" if args.workload == "shared-prefix"
@@ -294,6 +304,7 @@ def run_prefix(args) -> int:
              "host ms; first_range: the part before the first layer)" if args.defer_mapping else "")
           + (f"; {args.free_reserve} page-sets of the pool kept free (pre-warm leaves them, the worker "
              "refills them between steps)" if args.free_reserve else "")
+          + (f"; a request arrives every {args.arrive_every:g} steps" if args.arrive_every else "")
           + ("; before the generations an untimed warm-up request of the first prompt (2 tokens), as "
              "the engine stages run one" if args.warm_up else "")
           + "; over the run the block pool handed out "
@@ -306,7 +317,8 @@ def run_prefix(args) -> int:
                                                                "fence_lag", "fence_policy", "max_model_len",
                                                                "max_num_seqs", "max_batched_tokens",
                                                                "stage_prefixes", "pack_mb", "pack_sets", "warm_up",
-                                                               "defer_mapping", "free_reserve")},
+                                                               "defer_mapping", "free_reserve",
+                                                               "arrive_every")},
                        "generations": runs}, f, indent=1)
     if not args.no_report:
         pressure = (f", pool {args.pool_fraction:g}, device lag {args.fence_lag}, {args.fence_policy}"
@@ -317,7 +329,8 @@ def run_prefix(args) -> int:
                     + (f", packs {args.pack_mb} MiB" if args.pack_mb else "")
                     + (f" of {'/'.join(map(str, args.pack_sets))} page-sets" if args.pack_mb and args.pack_sets != (8,) else "")
                     + (", warm-up" if args.warm_up else "")
-                    + (", deferred mapping" if args.defer_mapping else "")) if scheduled else ""
+                    + (", deferred mapping" if args.defer_mapping else "")
+                    + (f", a request every {args.arrive_every:g} steps" if args.arrive_every else "")) if scheduled else ""
         write_section(f"host work with prefix caching, {args.workload}{pressure} ({args.device})", md, command_line(),
                       path=args.benchmarks)
     return 0

@@ -37,7 +37,7 @@ class _Req:
 
 def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], new: int, *,
                          max_running: int, fences=None, max_batched_tokens: int | None = None,
-                         settle: bool = False) -> dict:
+                         settle: bool = False, arrive_every: float = 0.0) -> dict:
     """One generation of ``prompts`` (``new`` tokens each) through the scheduler; ``{name: host
     seconds}`` of vattn's calls, ``calls`` (VMM calls, fence waits, steps, preemptions).
 
@@ -46,7 +46,10 @@ def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], ne
     step), if any; ``max_batched_tokens``: tokens computed per step at most (running requests'
     one each, then new prompts' uncached tokens; the first prompt of a step always fits);
     ``settle``: the map-ahead worker finishes its work before the next step (a device step long
-    enough to hide it). Every prompt arrives at once and waits for a slot and for blocks. With
+    enough to hide it). Every prompt arrives at once and waits for a slot and for blocks, or with
+    ``arrive_every`` > 0 prompt ``i`` arrives at step ``int(i * arrive_every)`` (a server's
+    stream of requests: ~40 req/s at ~7 ms a step is one every 3.6 steps). ``apply_us``: the
+    host µs of each step's ``apply``. With
     ``rt.defer_mapping`` each step's forward is played as the backend plays it (``rt.ready`` per
     layer): ``issue`` is the host time of the deferred calls, ``first_range`` its part before
     the first layer (the part still on the step's path)."""
@@ -54,12 +57,21 @@ def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], ne
     waits0 = fences.waits if fences is not None else 0
     spent = {"on_blocks": 0.0, "apply": 0.0, "release": 0.0, "issue": 0.0, "first_range": 0.0}
     bs = rt.block_size
-    waiting = deque(_Req(i, list(p), len(p) + new) for i, p in enumerate(prompts))
+    if arrive_every < 0:
+        raise ValueError(f"arrive_every must be >= 0, got {arrive_every}")
+    pending = deque(_Req(i, list(p), len(p) + new) for i, p in enumerate(prompts))
+    waiting: deque[_Req] = deque()
     running: list[_Req] = []
     free_idx = list(range(max_running - 1, -1, -1))
     steps = preemptions = 0
-    limit = 50 * (new + len(prompts)) + 1000
-    while waiting or running:
+    step_apply: list[float] = []
+    limit = 50 * (new + len(prompts)) + 1000 + int(len(prompts) * arrive_every)
+    while pending or waiting or running:
+        while pending and int(pending[0].rid * arrive_every) <= steps:
+            waiting.append(pending.popleft())
+        if not waiting and not running:                # idle until the next arrival
+            steps += 1
+            continue
         if steps > limit:
             raise RuntimeError(f"the scheduler made no progress in {limit} steps (pool of {len(pool.free)} "
                                f"free blocks, {len(waiting)} waiting, {len(running)} running)")
@@ -132,6 +144,7 @@ def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], ne
         spent["release"] += t1 - t0
         spent["on_blocks"] += t2 - t1
         spent["apply"] += t3 - t2
+        step_apply.append((t3 - t2) * 1e6)
         steps += 1
         if fences is not None:
             fences.tick()
@@ -141,4 +154,5 @@ def scheduled_generation(rt, pool: PrefixBlockPool, prompts: list[list[int]], ne
                                           "packs_built", "pages_packed", "pack_unpacks")}
     spent["calls"]["fence_waits"] = (fences.waits - waits0) if fences is not None else spent["calls"]["fence_waits"]
     spent["calls"]["steps"], spent["calls"]["preemptions"] = steps, preemptions
+    spent["apply_us"] = step_apply
     return spent

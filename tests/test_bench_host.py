@@ -211,3 +211,28 @@ def test_deferred_mapping_makes_the_same_calls_and_moves_them_into_the_forward(t
     counted = ("map_calls", "unmap_calls", "set_access_calls", "pages_aliased", "packs_built", "pages_packed")
     assert {k: gen["calls"][k] for k in counted} == {k: plain[k] for k in counted}
     assert gen["issue"] > 0 and 0 < gen["first_range"] < gen["issue"]
+
+
+def test_requests_arriving_as_a_server_receives_them_run_in_more_steps_and_all_finish(tmp_path):
+    """``--arrive-every``: request ``i`` arrives at step ``int(i * every)`` (a server's stream),
+    so the generation takes the last arrival's step plus one request's length, every request
+    finishes (the audit at the end passes) and the table gives apply's µs per step."""
+    out = tmp_path / "arrive.json"
+    assert main(["bench", "host", "--device", "cpu", "--prefix-caching", "--workload", "shared-prefix",
+                 "--shared", "256", "--batch", "12", "--prompt", "300", "--new", "20", "--generations", "1",
+                 "--fence-lag", "1", "--max-batched-tokens", "2048", "--arrive-every", "5",
+                 "--json", str(out), "--no-report"]) == 0
+    data = json.loads(out.read_text())
+    assert data["args"]["arrive_every"] == 5.0
+    for gen in data["generations"]:
+        # the last request arrives (and is admitted) at step 55 and gains its 20 tokens in the 20
+        # steps after it, the last of which releases it: as all at once, 300 new tokens -> 301 steps
+        assert gen["calls"]["steps"] == 55 + 20 + 1 and gen["calls"]["preemptions"] == 0
+        assert "apply_us" not in gen                        # summarised in the table, not dumped
+    all_at_once = _sched(tmp_path, "--fence-lag", "1")
+    assert all_at_once[0]["steps"] == 301
+
+
+def test_arrivals_refuse_a_negative_spacing(capsys):
+    assert main(["bench", "host", "--device", "cpu", "--prefix-caching", "--arrive-every", "-1"]) == 2
+    assert "--arrive-every" in capsys.readouterr().err
