@@ -279,9 +279,9 @@ def _one_run(args, model: str, workload: Workload, device: str, rnd: int, mode: 
     row = {"engine": args.engine, "model": model, "dataset": workload.dataset, "round": rnd,
            "mode": mode, "server_argv": spec.argv,
            "server_env": {k: v for k, v in spec.env.items() if v is not None}}
-    if mode_base(args.engine, mode) != "stock":          # vattn's counters, written by the engine's worker (one file per rank),
-        # every 5 s while it serves (a JSON dump on the step's path: rare enough not to count)
-        # and once it is idle
+    if mode_base(args.engine, mode) != "stock":
+        # vattn's counters, written by the engine's worker (one file per rank), every 5 s while
+        # it serves (a JSON dump on the step's path: rare enough not to count) and once idle
         spec.env["VATTN_METRICS"] = os.path.join(os.path.abspath(run_dir), "vattn_metrics_{pid}.json")
         spec.env.setdefault("VATTN_METRICS_EVERY_S", "5")
     client_env = None
