@@ -42,6 +42,7 @@ from .serve_engines import ENGINES, MODES, Server, free_port, mode_base, server_
 from .serve_report import markdown, plot
 
 __all__ = ["add_arguments", "add_server_arguments", "run", "order", "modes_of", "prepare_model", "run_rounds",
+           "await_idle_snapshot",
            "rate", "device_for", "sigterm_raises"]
 
 
@@ -295,6 +296,8 @@ def _one_run(args, model: str, workload: Workload, device: str, rnd: int, mode: 
             row["server_start_s"] = round(server.start_s, 1)
             run_client(client, python=args.python, log_path=os.path.join(run_dir, "client.log"),
                        timeout_s=args.client_timeout, env=client_env)
+            if mode_base(args.engine, mode) != "stock":
+                row["idle_snapshot"] = await_idle_snapshot(run_dir, since=time.time() - 0.5)
         row.update(parse_result(args.engine, read_result(args.engine, result),
                                 expected=workload.num_prompts))
         if mode_base(args.engine, mode) != "stock":
@@ -349,6 +352,24 @@ def vattn_counters(run_dir: str, engine: str) -> dict:
     if not snaps:
         return {"vattn_metrics_error": "the server wrote no vattn snapshot (VATTN_METRICS not honoured?)"}
     return vattn_columns(max(snaps, key=lambda s: s.get("time", 0)), engine)
+
+
+def await_idle_snapshot(run_dir: str, *, since: float, timeout_s: float = 6.0, poll_s: float = 0.2,
+                        clock=time.monotonic, sleep=time.sleep) -> bool:
+    """Wait (at most ``timeout_s``) for a vattn server's idle snapshot newer than ``since`` (wall
+    time): the engine writes it once no step came for a second, with the page audit and, under
+    ``VATTN_STEP_TRACE``, the step trace; killing the server first would lose both. False when
+    none came in time (the report then has the last step-path snapshot)."""
+    end = clock() + timeout_s
+    from vattn.core.snapshots import read_snapshot
+    while True:
+        for path in glob.glob(os.path.join(run_dir, "vattn_metrics_*.json")):
+            snap = read_snapshot(path)
+            if snap and snap.get("idle") and snap.get("time", 0) >= since:
+                return True
+        if clock() >= end:
+            return False
+        sleep(poll_s)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -46,16 +46,20 @@ class MetricsFile:
     idle_s : float, optional
         Start a watcher thread that writes an idle snapshot once no :meth:`step` came for
         ``idle_s`` seconds (for engines whose hooks do not run while idle). ``None``: no thread.
+    on_idle : callable, optional
+        ``() -> None``, run before every idle snapshot: work too slow for the step's path (an
+        adapter's step trace is written there); an error it raises goes into the snapshot
+        (``on_idle_error``) instead of stopping it.
     """
 
     def __init__(self, path: str, read, *, audit=None, every_s: float = 1.0,
-                 idle_s: float | None = None, clock=time.monotonic):
+                 idle_s: float | None = None, clock=time.monotonic, on_idle=None):
         if not path:
             raise ConfigError("MetricsFile: expected a file path, got an empty one")
         if not every_s >= 0 or (idle_s is not None and not idle_s > 0):      # NaN refused too
             raise ConfigError(f"MetricsFile: expected every_s >= 0 and idle_s > 0, got {every_s}, {idle_s}")
         self.path = path.replace("{pid}", str(os.getpid()))
-        self.read, self.audit = read, audit
+        self.read, self.audit, self.on_idle = read, audit, on_idle
         self.every_s, self.idle_s, self.clock = float(every_s), idle_s, clock
         self.steps = self.written = 0
         self._last_step = self._last_write = None
@@ -81,12 +85,18 @@ class MetricsFile:
         """The engine has no request left: write a snapshot with the audit's verdict."""
         with self._lock:
             self._idle_since_step = True
-        self.write(idle=True)
+        error = None
+        if self.on_idle is not None:
+            try:
+                self.on_idle()
+            except Exception as exc:  # noqa: BLE001 - reported in the snapshot, never raised
+                error = f"{type(exc).__name__}: {exc}"
+        self.write(idle=True, **({"on_idle_error": error} if error else {}))
 
-    def write(self, *, idle: bool) -> dict:
+    def write(self, *, idle: bool, **extra) -> dict:
         """Write one snapshot now (``idle``: with the audit) and return it."""
         snap = {"time": time.time(), "pid": os.getpid(), "steps": self.steps, "idle": idle}
-        snap |= jsonable(self.read())
+        snap |= jsonable(self.read()) | extra
         if idle and self.audit is not None:
             try:
                 snap["audit"] = self.audit() or "ok"      # or why it was skipped
@@ -120,7 +130,8 @@ class MetricsFile:
             self._thread = None
 
 
-def from_env(read, *, audit=None, idle_s: float | None = None, environ=None) -> MetricsFile | None:
+def from_env(read, *, audit=None, idle_s: float | None = None, environ=None,
+             on_idle=None) -> MetricsFile | None:
     """A :class:`MetricsFile` at ``$VATTN_METRICS`` (``$VATTN_METRICS_EVERY_S`` seconds between
     step snapshots, default 1), or ``None`` when the variable is not set."""
     env = os.environ if environ is None else environ
@@ -132,7 +143,7 @@ def from_env(read, *, audit=None, idle_s: float | None = None, environ=None) -> 
         every_s = float(every)
     except ValueError:
         raise ConfigError(f"VATTN_METRICS_EVERY_S: expected seconds (a number >= 0), got {every!r}") from None
-    return MetricsFile(path, read, audit=audit, every_s=every_s, idle_s=idle_s)
+    return MetricsFile(path, read, audit=audit, every_s=every_s, idle_s=idle_s, on_idle=on_idle)
 
 
 def read_snapshot(path: str) -> dict | None:

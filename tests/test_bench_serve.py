@@ -452,3 +452,25 @@ def test_report_has_a_column_and_a_ratio_per_variant(tmp_path):
     assert "| 1 vattn:h1 | apply 1 |" in serve_report.markdown(rows)
     pytest.importorskip("matplotlib")
     assert serve_report.plot(rows, str(tmp_path / "p.png"))
+
+
+def test_await_idle_snapshot_waits_for_one_newer_than_the_client_end(tmp_path):
+    """A vattn server is killed only once its idle snapshot (audit, step trace) is written, or
+    after the timeout."""
+    now = {"t": 0.0}
+    sleeps = []
+
+    def sleep(s):
+        sleeps.append(s)
+        now["t"] += s
+        if len(sleeps) == 3:             # the engine goes idle while we wait
+            (tmp_path / "vattn_metrics_7.json").write_text(json.dumps({"time": 50.0, "idle": True}))
+
+    (tmp_path / "vattn_metrics_7.json").write_text(json.dumps({"time": 40.0, "idle": True}))   # an old one
+    assert serve.await_idle_snapshot(str(tmp_path), since=45.0, clock=lambda: now["t"], sleep=sleep)
+    assert len(sleeps) == 3
+    sleeps.clear()
+    now["t"] = 0.0
+    assert not serve.await_idle_snapshot(str(tmp_path), since=60.0, timeout_s=1.0, poll_s=0.25,
+                                         clock=lambda: now["t"], sleep=sleep)
+    assert len(sleeps) == 4

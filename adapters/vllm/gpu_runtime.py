@@ -137,8 +137,10 @@ class GpuRuntime:
         if self.trace is not None:
             self.trace.header |= {"cache": self.cache.summary(prewarm_s=self.prewarm_s),
                                   "sharing": self.sharing, "staging": self.staging}
-        #: ``$VATTN_METRICS`` snapshots (each step, and with the page audit once idle for 1 s)
-        self.snapshots = snapshots.from_env(self.snapshot, audit=self.cache.audit_when_quiet, idle_s=1.0)
+        #: ``$VATTN_METRICS`` snapshots (each step, and with the page audit once idle for 1 s;
+        #: the step trace is written with the idle ones only: off the step's path)
+        self.snapshots = snapshots.from_env(self.snapshot, audit=self.cache.audit_when_quiet, idle_s=1.0,
+                                            on_idle=self._write_trace)
 
     # -- host side ---------------------------------------------------------------------------
     def on_blocks(self, index: int, num_blocks: int, *, new_request: bool, block_ids=(),
@@ -291,6 +293,9 @@ class GpuRuntime:
         """Core metrics plus this adapter's step timing and the layout's worst-case waste (with
         ``$VATTN_STEP_TRACE``, the step trace is written too)."""
         self._write_trace()
+        return self._counters()
+
+    def _counters(self) -> dict:
         return self.cache.metrics() | {
             "apply_step_us": self.step_us.as_dict(), "on_blocks_us": self.blocks_us.as_dict(),
             "apply_device_wait_us": self.device_wait.collect().as_dict(),
@@ -304,9 +309,11 @@ class GpuRuntime:
             "layout": cache_layout_row(self.cache.config, self.cache.layout.page_bytes)}
 
     def snapshot(self) -> dict:
-        """:meth:`metrics` plus the request indices holding a slot (for ``$VATTN_METRICS``; vLLM
-        removes a finished request one step late, so an idle engine still lists its last batch)."""
-        return self.metrics() | {"requests_holding_slots": len(self._slot)}
+        """:meth:`metrics`'s counters plus the request indices holding a slot (for
+        ``$VATTN_METRICS``; vLLM removes a finished request one step late, so an idle engine still
+        lists its last batch). The step trace is not written here: a snapshot is taken on the
+        step's path every few seconds; the idle ones write it (``on_idle``)."""
+        return self._counters() | {"requests_holding_slots": len(self._slot)}
 
     def _write_trace(self) -> None:
         """Write ``$VATTN_STEP_TRACE`` with the idle times of every section completed so far."""

@@ -97,3 +97,26 @@ def test_snapshots_are_json_of_the_metrics(tmp_path):
     m.step()
     data = json.loads((tmp_path / "m.json").read_text())
     assert data["h"] == {"count": 2} and data["3"].startswith("<class")
+
+
+def test_on_idle_runs_before_idle_snapshots_only_and_its_error_is_reported(tmp_path):
+    """Work too slow for the step's path (a step trace) runs with the idle snapshots; a failure
+    there is written into the snapshot, never raised into the engine."""
+    calls, clock = [], Clock()
+    m = MetricsFile(str(tmp_path / "m.json"), lambda: {"x": 1}, every_s=0.0, clock=clock,
+                    on_idle=lambda: calls.append("on_idle"))
+    m.step()
+    m.step()
+    assert calls == [] and m.written == 2
+    m.idle()
+    assert calls == ["on_idle"] and read_snapshot(m.path)["idle"] is True
+
+    def boom():
+        raise OSError("disk full")
+
+    bad = MetricsFile(str(tmp_path / "b.json"), lambda: {"x": 1}, on_idle=boom)
+    bad.idle()
+    snap = read_snapshot(bad.path)
+    assert snap["idle"] is True and snap["on_idle_error"] == "OSError: disk full"
+    env = {METRICS_ENV: str(tmp_path / "e.json")}
+    assert from_env(lambda: {}, environ=env, on_idle=boom).on_idle is boom

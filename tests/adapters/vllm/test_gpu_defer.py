@@ -2,6 +2,7 @@
 calls wait for the forward and are made range by range as its layers come; the engine config
 check that decides whether the backend's layers run where they can make them."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -139,5 +140,24 @@ def test_a_repeated_prompt_returns_to_its_own_slot_and_its_copy_on_write_is_elid
         assert [rt.slot(j) for j in range(3)] == [first[b] for b in reversed(own)]
         assert rt.cache.metrics()["copies_elided"] == 3
         rt.cache.audit()
+    finally:
+        rt.close()
+
+
+def test_step_snapshots_leave_the_trace_to_the_idle_ones(tmp_path, monkeypatch):
+    """Under ``VATTN_METRICS`` a snapshot is taken on the step's path every few seconds; writing
+    the whole step trace there would stall a serving engine's step, so only idle snapshots (and
+    metrics() / close()) write it."""
+    trace = tmp_path / "steps.json"
+    monkeypatch.setenv("VATTN_STEP_TRACE", str(trace))
+    monkeypatch.setenv("VATTN_METRICS", str(tmp_path / "m.json"))
+    monkeypatch.setenv("VATTN_METRICS_EVERY_S", "0")
+    rt = _runtime(True)
+    try:
+        _steps(rt)
+        snap = rt.snapshot()
+        assert snap["requests_holding_slots"] == 2 and not trace.exists()
+        rt.snapshots.idle()
+        assert trace.exists() and json.loads(trace.read_text())["rows"]
     finally:
         rt.close()
