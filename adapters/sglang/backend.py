@@ -35,8 +35,8 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from vattn.core import ops
 from vattn.core.errors import ConfigError, UnsupportedError
+from vattn.core.uploads import HostUploads
 
-from .late_ids import copy_to_device
 from .pool import PAD_SLOT
 from .sdpa import decode_sdpa, extend_sdpa
 
@@ -86,6 +86,9 @@ class VattnAttnBackend(AttentionBackend):
         self.requests = pool.requests
         self.requests.attach(model_runner.req_to_token_pool)
         self.device = model_runner.device
+        #: the step's slots / rows / lengths to the device: through the driver with the GIL held
+        #: where it holds it for adapters (vattn.core.uploads), else torch's pinned copy
+        self.uploads = HostUploads(self.device, getattr(self.cache, "driver", None))
         if op_backend == "auto" and torch.device(self.device).type == "cpu":
             op_backend = "sdpa"
         self.op_backend = op_backend
@@ -162,8 +165,8 @@ class VattnAttnBackend(AttentionBackend):
         real = 0 if in_capture else bs - int(getattr(forward_batch, "num_padding", 0) or 0)
         slots, prefix, seq = self._prepare(forward_batch, real, extend=False) if real else ([], [], [])
         pad = bs - real                                 # padding rows: row 0 of the pad slot
-        dev_slots, dev_seq, dev_rows = copy_to_device(
-            self.device, np.asarray(slots + [PAD_SLOT] * pad), np.asarray(seq + [1] * pad),
+        dev_slots, dev_seq, dev_rows = self.uploads.to_device(
+            np.asarray(slots + [PAD_SLOT] * pad), np.asarray(seq + [1] * pad),
             np.concatenate([self._rows_of(slots, prefix, seq), [PAD_SLOT * self.rows_per_slot] * pad]))
         self._graph_slots[:bs].copy_(dev_slots)
         self._graph_seqlens[:bs].copy_(dev_seq)
@@ -181,8 +184,8 @@ class VattnAttnBackend(AttentionBackend):
         extend = forward_batch.forward_mode.is_extend()
         bs = int(forward_batch.batch_size)
         host_slots, prefix, seq = self._prepare(forward_batch, bs, extend)
-        slots, rows = copy_to_device(self.device, np.asarray(host_slots, dtype=np.int64),
-                                     self._rows_of(host_slots, prefix, seq))
+        slots, rows = self.uploads.to_device(np.asarray(host_slots, dtype=np.int64),
+                                             self._rows_of(host_slots, prefix, seq))
         slots = slots.to(torch.int32)
         seqlens = forward_batch.seq_lens.to(torch.int32)
         max_k = max(seq) if seq else 0
