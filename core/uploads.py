@@ -23,10 +23,42 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["HostUploads", "RING"]
+__all__ = ["HostUploads", "FenceRing", "RING"]
 
 #: ring entries (uploads in flight before a host buffer is reused)
 RING = 8
+
+
+class FenceRing:
+    """Which of ``size`` staging buffers a copy reads next: each is handed out again once the
+    fence recorded after the copy that last read it is done (waiting for it if not; counted in
+    :attr:`waits`)."""
+
+    def __init__(self, size: int):
+        self.fences: list = [None] * size
+        self.next = 0
+        self.waits = 0
+
+    def claim(self) -> int:
+        """The next buffer's index, free to overwrite."""
+        i = self.next
+        self.next = (i + 1) % len(self.fences)
+        fence = self.fences[i]
+        if fence is not None and not fence.done():     # the device is a whole ring behind
+            self.waits += 1
+            fence.wait()
+        return i
+
+    def read_by(self, i: int, fence) -> None:
+        """Buffer ``i`` is read by a copy that ``fence`` (recorded after it) covers."""
+        self.fences[i] = fence
+
+    def drain(self) -> None:
+        """Wait for every copy in flight."""
+        for fence in self.fences:
+            if fence is not None and not fence.done():
+                fence.wait()
+        self.fences = [None] * len(self.fences)
 
 
 class HostUploads:
@@ -52,9 +84,7 @@ class HostUploads:
         self.capacity = 0
         self._host: list[torch.Tensor] = []
         self._dev: list[torch.Tensor] = []
-        self._fences: list = [None] * RING
-        self._next = 0
-        self.waits = 0                      # uploads that waited for their host buffer
+        self._ring = FenceRing(RING)
         self.uploads = 0
         if self.through_driver:
             self._grow(max(1, int(capacity)))
@@ -72,27 +102,24 @@ class HostUploads:
         n = flat.size
         if n > self.capacity:
             self._grow(n)
-        i = self._next
-        self._next = (i + 1) % RING
-        fence = self._fences[i]
-        if fence is not None and not fence.done():     # the device is RING uploads behind
-            self.waits += 1
-            fence.wait()
+        i = self._ring.claim()
         host, dev = self._host[i], self._dev[i]
         if n:
             host.numpy()[:n] = flat
             self._driver.copy_from_host(dev.data_ptr(), host.data_ptr(), n * host.element_size())
-            self._fences[i] = self._driver.record_fence()
+            self._ring.read_by(i, self._driver.record_fence())
         return list(dev[:n].split(sizes))
+
+    @property
+    def waits(self) -> int:
+        """Uploads that waited for their host buffer (the device a whole ring behind)."""
+        return self._ring.waits
 
     def _grow(self, n: int) -> None:
         """Ring entries of at least ``n`` elements, once no copy from the old ones is in flight."""
-        for fence in self._fences:
-            if fence is not None and not fence.done():
-                fence.wait()
+        self._ring.drain()
         size = 1 << max(0, n - 1).bit_length()
         pinned = self.device.type == "cuda"
         self._host = [torch.empty(size, dtype=torch.int64, pin_memory=pinned) for _ in range(RING)]
         self._dev = [torch.empty(size, dtype=torch.int64, device=self.device) for _ in range(RING)]
-        self._fences = [None] * RING
         self.capacity = size

@@ -21,6 +21,7 @@ import torch
 
 from vattn.core.driver.cuda import CudaFence
 from vattn.core.errors import SlotError
+from vattn.core.uploads import FenceRing
 
 __all__ = ["SlotTables", "PAD_ROW"]
 
@@ -70,15 +71,13 @@ class SlotTables:
         cuda = self.device.type == "cuda"
         self._staging = [torch.empty(max_num_reqs, dtype=torch.int32, pin_memory=cuda)
                          for _ in range(STAGING_RING)]
-        self._staged: list = [None] * STAGING_RING     # the fence of each buffer's last copy
+        self._ring = FenceRing(STAGING_RING)           # the fence of each buffer's last copy
         #: where fences come from (a driver's ``record_fence``: with the GIL held where it holds
         #: it; else torch's events) and whether the upload goes through the driver too
         through = cuda and driver is not None
         self._fences = driver.record_fence if through else (CudaFence if cuda else None)
         everywhere = through and getattr(driver, "gil_everywhere", False) is True
         self._upload = driver.copy_from_host if everywhere else None
-        self._ring = 0
-        self.staging_waits = 0                          # uploads that waited for a buffer
         #: one Triton launch for the slot mapping (CUDA); the torch form elsewhere
         self.fused = self.device.type == "cuda"
         self.fused_error: str | None = None   # why the Triton kernel was given up, if it was
@@ -118,12 +117,7 @@ class SlotTables:
         live host array)."""
         if not self._dirty:
             return
-        i = self._ring
-        self._ring = (i + 1) % STAGING_RING
-        fence = self._staged[i]
-        if fence is not None and not fence.done():      # the device is STAGING_RING uploads behind
-            self.staging_waits += 1
-            fence.wait()
+        i = self._ring.claim()                          # waits if the device is a ring behind
         buf = self._staging[i]
         buf.numpy()[:] = self.slot_of_index
         if self._upload is not None:                    # the GIL held (hold-all)
@@ -131,8 +125,13 @@ class SlotTables:
         else:
             self._slot_dev.copy_(buf, non_blocking=True)
         if self._fences is not None:
-            self._staged[i] = self._fences()
+            self._ring.read_by(i, self._fences())
         self._dirty = False
+
+    @property
+    def staging_waits(self) -> int:
+        """Uploads that waited for a staging buffer."""
+        return self._ring.waits
 
     # -- device side -------------------------------------------------------------------------
     def gather_block_table(self, idx_mapping: torch.Tensor, num_reqs_padded: int) -> torch.Tensor:
