@@ -132,7 +132,14 @@ def summarize(rows: list[dict]) -> dict:
     calls = {k: sum(r["calls"].get(k, 0) for r in rows) for k in ("map_calls", "unmap_calls", "set_access_calls")}
     worker = {k: sum(r["worker"].get(k, 0) for r in rows) for k in ("map_calls", "unmap_calls", "issued_us")}
     span = (rows[-1]["t1"] - rows[0]["t0"]) * 1e3 if rows else 0.0
+    per_step = sorted((r["t1"] - r["t0"]) * 1e6 for r in rows) or [0.0]
+    # a step whose section spent >= 1 ms off its thread's CPU waited (the GIL, a driver sleep)
+    waited = [r for r in rows if "cpu_ms" in r and (r["t1"] - r["t0"]) * 1e3 - r["cpu_ms"] >= 1.0]
     return {"steps": len(rows), "span_ms": round(span, 1), "host_ms": round(host, 1), "cpu_ms": round(cpu, 1),
+            "host_p50_us": round(per_step[len(per_step) // 2], 1),
+            "host_p99_us": round(per_step[min(len(per_step) - 1, int(0.99 * len(per_step)))], 1),
+            "waited_steps": len(waited),
+            "waited_ms": round(sum((r["t1"] - r["t0"]) * 1e3 - r["cpu_ms"] for r in waited), 1),
             "idle_ms": round(idle, 1),
             "binds": sum(r.get("binds", 0) for r in rows), "calls": calls, "worker_calls": worker,
             "deferred": sum(r["calls"].get("calls_deferred", 0) for r in rows)}
@@ -149,7 +156,9 @@ def _report(mode: str, trace: dict, walls, top: int) -> str:
                      f"{s['calls']['set_access_calls']}; worker map {s['worker_calls']['map_calls']} / "
                      f"unmap {s['worker_calls']['unmap_calls']}"
                      + (f"; {s['deferred']} of the sections' calls deferred, made in the forward over "
-                        f"{s['worker_calls']['issued_us'] / 1e3:.1f} ms" if s["deferred"] else ""))
+                        f"{s['worker_calls']['issued_us'] / 1e3:.1f} ms" if s["deferred"] else "")
+                     + f"; per step host p50 {s['host_p50_us']:.0f} µs / p99 {s['host_p99_us']:.0f} µs, "
+                       f"{s['waited_steps']} steps off the CPU ≥ 1 ms ({s['waited_ms']:.1f} ms)")
         if name == "before":
             continue
         worst = sorted(rows, key=lambda r: -(r["idle_us"] or 0.0))[:top]

@@ -82,3 +82,20 @@ def test_schedule_gaps_per_generation_and_report(tmp_path, capsys):
     assert run_command(["bench", "steps", "--results", str(tmp_path)]) == 0   # no traces: schedules only
     out = capsys.readouterr().out
     assert "stock, gen 1: 3 steps scheduled" in out and "[100.0, 400.0]" in out
+
+
+def test_summary_gives_per_step_percentiles_and_the_steps_that_waited_off_the_cpu():
+    """A server's trace has no generations: the per-step host time and the steps whose section
+    waited >= 1 ms off its thread's CPU (the GIL, a sleeping driver call) say where it went."""
+    calls = {"map_calls": 0, "unmap_calls": 0, "set_access_calls": 0}
+    worker = {"map_calls": 0, "unmap_calls": 0, "issued_us": 0}
+
+    def row(t0, ms, cpu_ms):
+        return {"t0": t0, "t1": t0 + ms / 1e3, "cpu_ms": cpu_ms, "idle_us": None, "calls": calls,
+                "worker": worker}
+
+    rows = [row(i * 0.01, 0.2, 0.2) for i in range(98)] + [row(1.0, 6.0, 0.5), row(1.1, 3.0, 2.9)]
+    s = steps.summarize(rows)
+    assert s["host_p50_us"] == pytest.approx(200.0) and s["host_p99_us"] == pytest.approx(6000.0)
+    assert s["waited_steps"] == 1 and s["waited_ms"] == pytest.approx(5.5)
+    assert steps.summarize([])["host_p99_us"] == 0.0
