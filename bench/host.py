@@ -95,6 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with the scheduler: before the generations, one untimed request of the "
                              "first prompt for 2 tokens, as the engine stages warm up (a shared "
                              "prefix is then cached before the first burst)")
+    parser.add_argument("--cold-slots", type=argtypes.non_negative_int, default=0,
+                        help="with --prefix-caching: idle slots the pre-warm leaves empty, their share "
+                             "free in the pool, for requests whose hit is mapped in (VATTN_COLD_SLOTS; "
+                             "default 0: every slot pre-warmed)")
     parser.add_argument("--arrive-every", type=argtypes.non_negative_float, default=0.0,
                         help="with the scheduler: engine steps between two requests' arrivals, as a "
                              "server receives them (40 req/s at ~7 ms a step: 3.6); the table then "
@@ -108,14 +112,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = False,
              blocks: int | None = None, driver=None, stream_ordered: bool = True,
              stage: bool | None = None, pack_mb: int = 0, pack_sets: int | tuple[int, ...] = 8,
-             defer: bool = False, free_reserve: int = 0):
+             defer: bool = False, free_reserve: int = 0, cold_slots: int = 0):
     """Llama-3-8B's page arithmetic (G=4: 128 tokens per 2 MiB page-set row) on CUDA; on the host
     backend the same 128 tokens per page with 1 KV head of 64 fp32 values and 256 KiB pages (16
     fp16 values and 32 KiB pages with prefix caching, whose workloads hold more tokens).
     ``blocks``: page-sets in the pool (default: every request's whole length, plus one);
     ``stage``: ``None`` no map-ahead worker, else the worker on (one block ahead, as vLLM's GPU
     runner has it) with prefix staging on or off; ``defer``: deferred mapping; ``free_reserve``:
-    page-sets kept free (``KVCacheConfig.free_reserve``)."""
+    page-sets kept free (``KVCacheConfig.free_reserve``); ``cold_slots``: idle slots the pre-warm
+    leaves empty (:meth:`VirtualKVCache.prewarm`)."""
     from vattn.adapters.vllm.gpu_runtime import GpuRuntime
     from vattn.core import KVCacheConfig
     cuda = torch.device(device).type == "cuda"
@@ -135,7 +140,7 @@ def _runtime(device: str, batch: int, max_len: int, *, prefix_caching: bool = Fa
     names = [f"model.layers.{i}.self_attn.attn" for i in range(32)]
     return GpuRuntime(cfg, block_size=block, layer_names=names, max_num_tokens=max(batch, 8192),
                       prefix_caching=prefix_caching, driver=driver, stage_prefixes=bool(stage),
-                      defer_mapping=defer)
+                      defer_mapping=defer, cold_slots=cold_slots)
 
 
 def generation(rt, *, batch: int, prompt: int, new: int) -> dict:
@@ -247,7 +252,7 @@ def run_prefix(args) -> int:
     rt = _runtime(args.device, seqs, args.max_model_len or longest, prefix_caching=True,
                   blocks=blocks, driver=fences, stream_ordered=args.fence_policy == "retire", stage=stage,
                   pack_mb=args.pack_mb, pack_sets=_sizes(args.pack_sets), defer=args.defer_mapping,
-                  free_reserve=args.free_reserve)
+                  free_reserve=args.free_reserve, cold_slots=args.cold_slots)
     try:
         pool = PrefixBlockPool(blocks, rt.block_size, unit=args.hit_unit or None)
         prompts = prompts_for(args.workload, batch=args.batch, prompt=args.prompt, shared=args.shared)
@@ -305,6 +310,7 @@ def run_prefix(args) -> int:
           + (f"; {args.free_reserve} page-sets of the pool kept free (pre-warm leaves them, the worker "
              "refills them between steps)" if args.free_reserve else "")
           + (f"; a request arrives every {args.arrive_every:g} steps" if args.arrive_every else "")
+          + (f"; {args.cold_slots} slots left empty by the pre-warm" if args.cold_slots else "")
           + ("; before the generations an untimed warm-up request of the first prompt (2 tokens), as "
              "the engine stages run one" if args.warm_up else "")
           + "; over the run the block pool handed out "
@@ -318,7 +324,7 @@ def run_prefix(args) -> int:
                                                                "max_num_seqs", "max_batched_tokens",
                                                                "stage_prefixes", "pack_mb", "pack_sets", "warm_up",
                                                                "defer_mapping", "free_reserve",
-                                                               "arrive_every")},
+                                                               "arrive_every", "cold_slots")},
                        "generations": runs}, f, indent=1)
     if not args.no_report:
         pressure = (f", pool {args.pool_fraction:g}, device lag {args.fence_lag}, {args.fence_policy}"
@@ -330,7 +336,8 @@ def run_prefix(args) -> int:
                     + (f" of {'/'.join(map(str, args.pack_sets))} page-sets" if args.pack_mb and args.pack_sets != (8,) else "")
                     + (", warm-up" if args.warm_up else "")
                     + (", deferred mapping" if args.defer_mapping else "")
-                    + (f", a request every {args.arrive_every:g} steps" if args.arrive_every else "")) if scheduled else ""
+                    + (f", a request every {args.arrive_every:g} steps" if args.arrive_every else "")
+                    + (f", {args.cold_slots} cold slots" if args.cold_slots else "")) if scheduled else ""
         write_section(f"host work with prefix caching, {args.workload}{pressure} ({args.device})", md, command_line(),
                       path=args.benchmarks)
     return 0

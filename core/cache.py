@@ -202,7 +202,8 @@ class VirtualKVCache:
                 self._worker.cancel(slot)
 
     # -- paging ------------------------------------------------------------------------------------
-    def prewarm(self, tokens_per_slot: int | None = None, *, min_tokens: int = 2048) -> int:
+    def prewarm(self, tokens_per_slot: int | None = None, *, min_tokens: int = 2048,
+                cold_slots: int = 0) -> int:
         """Map page-sets to the idle slots now, so the requests that take them start warm.
 
         Idle slots are topped up to ``tokens_per_slot``, lowest slot first, until the pool runs
@@ -214,20 +215,28 @@ class VirtualKVCache:
         pages of its own to unmap there). The pages stay reclaimable like any warm slot's
         (:meth:`reclaim`, or a slot that needs more). For engines whose pool is sized up front
         (vLLM, SGLang): the mapping then happens once, at start, instead of on the step's
-        critical path. Returns the pages mapped.
+        critical path. ``cold_slots``: the last that many idle slots stay empty, their share
+        left free in the pool — for requests whose prefix-cache hit is mapped in, which take an
+        empty slot over a warm one (no pages of their own to unmap where the hit goes) and map
+        their fresh page-sets from the free pool. Returns the pages mapped.
 
         Raises
         ------
         ContextLengthError
             ``tokens_per_slot`` exceeds ``max_context``.
+        ConfigError
+            ``min_tokens`` or ``cold_slots`` is not an int >= 0.
         """
         self._check_open()
         if tokens_per_slot is not None:
             self._check_length(tokens_per_slot)
         if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
             raise ConfigError(f"min_tokens must be an int >= 0, got {min_tokens!r}")
+        if isinstance(cold_slots, bool) or not isinstance(cold_slots, int) or cold_slots < 0:
+            raise ConfigError(f"cold_slots must be an int >= 0, got {cold_slots!r}")
         with self._cond:
-            return self._growth.prewarm(tokens_per_slot, min(min_tokens, self.config.max_context))
+            return self._growth.prewarm(tokens_per_slot, min(min_tokens, self.config.max_context),
+                                        cold_slots)
 
     def ensure(self, lengths, lengths_seq=None) -> list[int]:
         """Map pages so every listed slot holds its length; return the slots that could not grow.

@@ -84,10 +84,11 @@ class Growth:
             st.wait_cond()
         return st.pool.take(ranges)
 
-    def prewarm(self, tokens_per_slot: int | None, min_tokens: int) -> int:
-        """Top idle slots up to ``tokens_per_slot`` (``None``: an even share of the free pool,
-        but at least ``min_tokens`` deep), lowest slot first, until the pool runs out (short of
-        ``free_reserve``); returns the pages mapped."""
+    def prewarm(self, tokens_per_slot: int | None, min_tokens: int, cold_slots: int = 0) -> int:
+        """Top idle slots up to ``tokens_per_slot`` (``None``: an even share of the free pool
+        over every idle slot, but at least ``min_tokens`` deep), lowest slot first, until the
+        pool runs out (short of ``free_reserve``), leaving the last ``cold_slots`` idle slots
+        empty (their share stays free in the pool); returns the pages mapped."""
         st = self.state
         table = st.slots
         idle = [s for s in range(st.config.max_slots) if not table.active[s] and s not in table.inflight]
@@ -99,7 +100,7 @@ class Growth:
                 if tokens_per_slot is None else st.layout.pages_for(tokens_per_slot))
         sets = min(sets, st.layout.pages_per_slot)   # a slot's region holds no more
         before = st.pool.num_free
-        for slot in idle:
+        for slot in idle[:len(idle) - min(cold_slots, len(idle))]:
             if (st.pool.num_free - st.pages.missing(slot, sets) < reserve
                     or not st.pages.grow(slot, sets, table.tenant[slot], ahead=True)):
                 break

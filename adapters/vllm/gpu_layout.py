@@ -17,7 +17,7 @@ from vattn.core import KVCacheConfig, layout_report
 from vattn.core.config import engine_group_size, env_flag, env_int
 from vattn.core.errors import ConfigError, UnsupportedError
 
-__all__ = ["PAGE_BYTES", "KV_TILE", "EXACT_ENV", "EXACT_MARGIN", "PACK_MB_DEFAULT", "FREE_RESERVE_ENV", "free_reserve_sets", "exact_kernel_path",
+__all__ = ["PAGE_BYTES", "KV_TILE", "EXACT_ENV", "EXACT_MARGIN", "PACK_MB_DEFAULT", "FREE_RESERVE_ENV", "free_reserve_sets", "COLD_SLOTS_ENV", "cold_slots", "exact_kernel_path",
            "default_group_size", "group_size_for", "tokens_per_page", "block_size_for_vllm", "cache_config",
            "check_engine_config", "check_kv_cache_config"]
 
@@ -48,6 +48,8 @@ PACK_MB_DEFAULT = 1024
 #: page-sets of the pool left free at start and refilled by the map-ahead worker between steps
 #: (``KVCacheConfig.free_reserve``; :func:`free_reserve_sets`, default 0: none)
 FREE_RESERVE_ENV = "VATTN_FREE_RESERVE"
+#: idle slots the pre-warm leaves empty, with prefix caching (:func:`cold_slots`, default 0: none)
+COLD_SLOTS_ENV = "VATTN_COLD_SLOTS"
 
 
 def exact_kernel_path() -> bool:
@@ -128,6 +130,23 @@ def free_reserve_sets(num_blocks: int) -> int:
     if sets > num_blocks // 2:
         raise ConfigError(f"{FREE_RESERVE_ENV} must be at most half of vLLM's {num_blocks} blocks, got {sets}")
     return sets
+
+
+def cold_slots(max_num_reqs: int) -> int:
+    """Slots the pre-warm leaves empty for requests whose prefix-cache hit is mapped in
+    (:meth:`VirtualKVCache.prewarm`'s ``cold_slots``): ``$VATTN_COLD_SLOTS``, default 0 (off
+    until a GPU run measures it; on the host replay of the shared-prefix burst it takes most of
+    the unmaps of the pre-warmed pages where the hit goes). The burst's size is the size to try.
+
+    Raises
+    ------
+    ConfigError
+        Not fewer than vLLM's ``max_num_seqs`` (some slot must stay warm).
+    """
+    n = env_int(COLD_SLOTS_ENV, 0, minimum=0)
+    if n >= max_num_reqs:
+        raise ConfigError(f"{COLD_SLOTS_ENV} must be below max_num_seqs ({max_num_reqs}), got {n}")
+    return n
 
 
 def cache_config(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -31,6 +31,7 @@ from vattn.core.metrics import Histogram
 from vattn.core.requests import RequestSlots
 from vattn.core.staging import PrefixBursts
 
+from .gpu_layout import cold_slots as cold_slots_for
 from .slot_tables import SlotTables
 
 __all__ = ["GpuRuntime", "DEVICE_WAIT_ENV"]
@@ -75,12 +76,15 @@ class GpuRuntime:
         computes the layers before it while the host maps (only range 0 stays on the step's
         path). The engine must call :meth:`ready` before every layer's KV is written or read
         and :meth:`ready` with no layer before a forward that does not (a full CUDA graph).
+    cold_slots : int, optional
+        With prefix caching: idle slots the pre-warm leaves empty for requests whose hit is
+        mapped in (:meth:`VirtualKVCache.prewarm`); ``None``: ``$VATTN_COLD_SLOTS`` (default 0).
     """
 
     def __init__(self, config: KVCacheConfig, *, block_size: int, layer_names: list[str],
                  max_num_tokens: int, attn_margin: int = 0, max_model_len: int | None = None,
                  prefix_caching: bool = False, stage_prefixes: bool = False, driver=None,
-                 retries: int | None = None, defer_mapping: bool = False):
+                 retries: int | None = None, defer_mapping: bool = False, cold_slots: int | None = None):
         start = time.perf_counter()
         if len(layer_names) != config.num_layers:
             raise ConfigError(f"{len(layer_names)} layer names for a cache of {config.num_layers} layers")
@@ -131,7 +135,11 @@ class GpuRuntime:
         # pool it sized up front, so mapping it now takes the VMM calls off the step's path;
         # requests that outgrow their share are served by map-ahead (see gpu_layout.cache_config)
         warm_start = time.perf_counter()
-        self.prewarmed_pages = self.cache.prewarm()
+        if not prefix_caching:
+            cold_slots = 0
+        elif cold_slots is None:
+            cold_slots = cold_slots_for(config.max_slots)
+        self.prewarmed_pages = self.cache.prewarm(cold_slots=cold_slots)
         self.prewarm_s = time.perf_counter() - warm_start
         self.init_s = time.perf_counter() - start
         if self.trace is not None:

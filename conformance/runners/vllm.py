@@ -21,7 +21,8 @@ before the forward / deferred into it (``VATTN_DEFER_MAPPING``; the GPU runner's
 where the engine's graphs allow it); ``vattn:w0`` without the CUDA events that time the device's
 idle time behind vattn's step (``VATTN_DEVICE_WAIT=0``: they release the GIL); ``vattn:r0`` /
 ``vattn:rN`` with no / ``N`` page-sets kept free for bursts (``VATTN_FREE_RESERVE``; the GPU
-runner's default: none); ``vattn:h1`` / ``vattn:h0`` with the step's driver calls holding /
+runner's default: none); ``vattn:c0`` / ``vattn:cN`` with no / ``N`` idle slots left empty by
+the pre-warm for prefix-cache hits (``VATTN_COLD_SLOTS``; default: none); ``vattn:h1`` / ``vattn:h0`` with the step's driver calls holding /
 releasing the GIL (``VATTN_DRIVER_GIL=hold`` / ``release``), ``vattn:h2`` with the
 slot-table uploads and device-wait events through the driver too (``hold-all``, the default);
 ``vattn:b1`` / ``vattn:b0`` with a step's page-set copies made as one ``cuMemcpyBatchAsync`` / one
@@ -136,6 +137,7 @@ class VllmRunner:
         env.pop("VATTN_DEFER_MAPPING", None)
         env.pop("VATTN_DEVICE_WAIT", None)
         env.pop("VATTN_FREE_RESERVE", None)
+        env.pop("VATTN_COLD_SLOTS", None)
         env.pop("VATTN_DRIVER_GIL", None)
         env.pop("VATTN_BATCH_COPIES", None)
         run = spec.get("run_name", spec["mode"])
@@ -154,6 +156,8 @@ class VllmRunner:
             env["VATTN_DEVICE_WAIT"] = _switch(run, "w")
         if _switch(run, "r") is not None:
             env["VATTN_FREE_RESERVE"] = _switch(run, "r")
+        if _switch(run, "c") is not None:
+            env["VATTN_COLD_SLOTS"] = _switch(run, "c")
         if _switch(run, "h") is not None:
             env["VATTN_DRIVER_GIL"] = {"0": "release", "1": "hold", "2": "hold-all"}[_switch(run, "h")]
         if _switch(run, "b") is not None:
@@ -195,7 +199,7 @@ def _base(mode: str) -> str:
 #: the public name of :func:`_base` (``vattn bench serve`` checks its ``--modes`` with it)
 base_mode = _base
 
-_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+|d[01]|w[01]|r[0-9]+|h[012]|b[01]")
+_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+|d[01]|w[01]|r[0-9]+|h[012]|b[01]|c[0-9]+")
 
 
 def _variants(mode: str) -> list[str]:

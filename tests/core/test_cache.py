@@ -302,6 +302,27 @@ def test_prewarm_goes_deep_into_fewer_slots_when_an_even_share_would_be_thin():
         cache.audit()
 
 
+def test_prewarm_leaves_cold_slots_empty_for_hits_and_their_share_free():
+    """``cold_slots``: the last idle slots stay empty at the same per-slot depth for the others,
+    so a request whose hit is mapped in takes one (no pages of its own to unmap where the hit
+    goes) and maps its fresh page-sets from the free pool, not from another slot's."""
+    with make_cache(page_budget=24 * (64 << 10), max_context=2000) as cache:    # 11 page-sets, 6 slots
+        per, ranges = int(cache.layout.tokens_per_page), cache.layout.num_ranges
+        mapped = cache.prewarm(min_tokens=0, cold_slots=2)
+        assert [cache.mapped_tokens(s) for s in range(6)] == [per] * 4 + [0] * 2
+        assert mapped == 4 * ranges and cache._pool.num_free >= 7 * ranges - ranges
+        a = cache.acquire(expected_len=per)
+        assert cache.bind(a, 0, ["s0"])
+        cache.release(a)
+        unmaps = cache.metrics()["unmap_calls"]
+        b = cache.acquire(expected_len=3 * per, prefix=["x0"])      # a hit elsewhere: a cold slot
+        assert b in (4, 5) and cache.metrics()["unmap_calls"] == unmaps
+        for bad in (-1, 1.5, True):
+            with pytest.raises(ConfigError, match="cold_slots must be an int >= 0"):
+                cache.prewarm(cold_slots=bad)
+        cache.audit()
+
+
 def test_a_prefix_hit_takes_the_slot_that_costs_the_fewest_calls():
     # a deep slot would unmap its own pages where the shared ones go; an empty one unmaps none,
     # and a slot that starts with the same prefix needs nothing

@@ -524,3 +524,23 @@ def test_the_free_reserve_comes_from_its_variable_in_page_sets(monkeypatch):
     monkeypatch.setenv("VATTN_FREE_RESERVE", "7")
     with pytest.raises(ConfigError, match="VATTN_FREE_RESERVE must be at most half of vLLM's 12 blocks, got 7"):
         gl.cache_config(**kw)
+
+
+def test_cold_slots_come_from_their_variable_with_prefix_caching_only(monkeypatch):
+    """``VATTN_COLD_SLOTS`` idle slots stay empty after the pre-warm when prefix caching is on
+    (off by default); not fewer than ``max_num_seqs`` is refused by name."""
+    assert gl.cold_slots(4) == 0
+    monkeypatch.setenv("VATTN_COLD_SLOTS", "1")
+    rt, _ = _runtime(prefix_caching=True)
+    try:
+        assert [rt.cache.mapped_tokens(s) > 0 for s in range(rt.cache.config.max_slots)][-1] is False
+    finally:
+        rt.close()
+    rt, _ = _runtime(prefix_caching=False)
+    try:
+        assert all(rt.cache.mapped_tokens(s) > 0 for s in range(rt.cache.config.max_slots))
+    finally:
+        rt.close()
+    monkeypatch.setenv("VATTN_COLD_SLOTS", "4")
+    with pytest.raises(ConfigError, match="VATTN_COLD_SLOTS must be below max_num_seqs \\(4\\), got 4"):
+        gl.cold_slots(4)

@@ -123,6 +123,7 @@ def test_runner_staging_variant_turns_prefix_staging_on_or_off_in_its_engine(mon
     assert _engine_env(monkeypatch, "VATTN_FREE_RESERVE", ("vattn", "vattn:r0", "vattn:r256")) == [None, "0", "256"]
     assert _engine_env(monkeypatch, "VATTN_DRIVER_GIL", ("vattn", "vattn:h0", "vattn:h1", "vattn:h2")) == [None, "release", "hold", "hold-all"]
     assert _engine_env(monkeypatch, "VATTN_BATCH_COPIES", ("vattn", "vattn:b0", "vattn:h1:b1")) == [None, "0", "1"]
+    assert _engine_env(monkeypatch, "VATTN_COLD_SLOTS", ("vattn", "vattn:c0", "vattn:c128:b1")) == [None, "0", "128"]
 
 
 def test_runner_pack_variant_gives_its_engine_a_pack_budget(monkeypatch):
