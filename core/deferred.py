@@ -246,12 +246,11 @@ class DeferredCalls:
     def copy_later(self, rng: int, dst: int, src: int, nbytes: int) -> None:
         """A copy in range ``rng``, queued behind that range's calls inside the window (copies
         queued in a row are made as one batch, see :class:`CopyBatch`), else made now."""
-        if threading.get_ident() == self._owner and not self._issuing:
+        if self.in_window():
             self.queues[rng].append(("copy", (dst, src, nbytes)))
             self.pending += 1
             return
-        self._drain()
-        self.inner.copy(dst, src, nbytes)
+        self.copy(dst, src, nbytes)
 
     def record_fence(self):
         """A fence after the work issued so far. Inside the window: one recorded where the

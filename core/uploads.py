@@ -49,9 +49,15 @@ class FenceRing:
             fence.wait()
         return i
 
-    def read_by(self, i: int, fence) -> None:
-        """Buffer ``i`` is read by a copy that ``fence`` (recorded after it) covers."""
-        self.fences[i] = fence
+    def read_by(self, i: int, make) -> None:
+        """Buffer ``i`` is read by a copy just queued: its fence is recorded after it — the
+        buffer's earlier fence recorded again where it can be (:meth:`claim` saw it done; no new
+        event a step), else ``make()``."""
+        fence = self.fences[i]
+        if fence is not None and hasattr(fence, "again"):
+            fence.again()
+        else:
+            self.fences[i] = make()
 
     def drain(self) -> None:
         """Wait for every copy in flight."""
@@ -107,7 +113,7 @@ class HostUploads:
         if n:
             host.numpy()[:n] = flat
             self._driver.copy_from_host(dev.data_ptr(), host.data_ptr(), n * host.element_size())
-            self._ring.read_by(i, self._driver.record_fence())
+            self._ring.read_by(i, self._driver.record_fence)
         return list(dev[:n].split(sizes))
 
     @property

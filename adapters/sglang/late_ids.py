@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from vattn.core.errors import VattnError
+from vattn.core.uploads import HostUploads
 
-__all__ = ["LateIds", "Landing", "HitIds", "page_cells", "copy_to_host", "copy_to_device"]
+__all__ = ["LateIds", "Landing", "HitIds", "page_cells", "copy_to_host"]
 
 
 def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, object]:
@@ -32,16 +33,6 @@ def copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, object]:
     event = torch.cuda.Event()
     event.record()
     return host, event
-
-
-def copy_to_device(device, *arrays: np.ndarray) -> list[torch.Tensor]:
-    """Host integer arrays as ``int64`` tensors on ``device``: one copy, through pinned memory on
-    CUDA, so the host does not wait for the GPU (a copy from pageable memory may)."""
-    sizes = [a.size for a in arrays]
-    flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]))
-    if torch.device(device).type != "cpu":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    return list(flat.split(sizes))
 
 
 def _spans(first: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -57,7 +48,8 @@ def page_cells(req_to_token: torch.Tensor, page_size: int, rows: np.ndarray, fir
     """``req_to_token`` at the first token of pages ``first[i] .. end[i] - 1`` of row
     ``rows[i]``, flat (one device gather, nothing copied to the host), and the counts per row."""
     counts, pages = _spans(first, end)
-    at_rows, at_cols = copy_to_device(req_to_token.device, np.repeat(rows, counts), pages * page_size)
+    # (a device read, rare: torch's pinned copy, HostUploads without a driver)
+    at_rows, at_cols = HostUploads(req_to_token.device).to_device(np.repeat(rows, counts), pages * page_size)
     cells = req_to_token[at_rows, at_cols]
     return cells, counts
 

@@ -125,7 +125,7 @@ class SlotTables:
         else:
             self._slot_dev.copy_(buf, non_blocking=True)
         if self._fences is not None:
-            self._ring.read_by(i, self._fences())
+            self._ring.read_by(i, self._fences)
         self._dirty = False
 
     @property

@@ -22,8 +22,8 @@ where the engine's graphs allow it); ``vattn:w0`` without the CUDA events that t
 idle time behind vattn's step (``VATTN_DEVICE_WAIT=0``: they release the GIL); ``vattn:r0`` /
 ``vattn:rN`` with no / ``N`` page-sets kept free for bursts (``VATTN_FREE_RESERVE``; the GPU
 runner's default: none); ``vattn:c0`` / ``vattn:cN`` with no / ``N`` idle slots left empty by
-the pre-warm for prefix-cache hits (``VATTN_COLD_SLOTS``; default: none); ``vattn:h1`` / ``vattn:h0`` with the step's driver calls holding /
-releasing the GIL (``VATTN_DRIVER_GIL=hold`` / ``release``), ``vattn:h2`` with the
+the pre-warm for prefix-cache hits (``VATTN_COLD_SLOTS``; default: none); ``vattn:h1`` /
+``vattn:h0`` with the step's driver calls holding / releasing the GIL (``VATTN_DRIVER_GIL=hold`` / ``release``), ``vattn:h2`` with the
 slot-table uploads and device-wait events through the driver too (``hold-all``, the default);
 ``vattn:b1`` / ``vattn:b0`` with a step's page-set copies made as one ``cuMemcpyBatchAsync`` / one
 call each (``VATTN_BATCH_COPIES``; default: 1). Variants
@@ -132,36 +132,15 @@ class VllmRunner:
         env = dict(os.environ) | self.engine_env
         env.pop("VATTN_VLLM", None)
         env.pop("VATTN_VLLM_EXACT", None)
-        env.pop("VATTN_STAGE_PREFIXES", None)
-        env.pop("VATTN_PACK_MB", None)
-        env.pop("VATTN_DEFER_MAPPING", None)
-        env.pop("VATTN_DEVICE_WAIT", None)
-        env.pop("VATTN_FREE_RESERVE", None)
-        env.pop("VATTN_COLD_SLOTS", None)
-        env.pop("VATTN_DRIVER_GIL", None)
-        env.pop("VATTN_BATCH_COPIES", None)
+        for name in _SWITCH_ENV.values():            # only a mode's variant sets them
+            env.pop(name, None)
         run = spec.get("run_name", spec["mode"])
         if env.get("VATTN_STEP_TRACE"):
             env["VATTN_RUN_NAME"] = run              # names the engine's step trace
-        group = _group(run)
-        if group is not None:
-            env["VATTN_GROUP_SIZE"] = str(group)
-        if _staging(run) is not None:
-            env["VATTN_STAGE_PREFIXES"] = _staging(run)
-        if _pack_mb(run) is not None:
-            env["VATTN_PACK_MB"] = str(_pack_mb(run))
-        if _switch(run, "d") is not None:
-            env["VATTN_DEFER_MAPPING"] = _switch(run, "d")
-        if _switch(run, "w") is not None:
-            env["VATTN_DEVICE_WAIT"] = _switch(run, "w")
-        if _switch(run, "r") is not None:
-            env["VATTN_FREE_RESERVE"] = _switch(run, "r")
-        if _switch(run, "c") is not None:
-            env["VATTN_COLD_SLOTS"] = _switch(run, "c")
-        if _switch(run, "h") is not None:
-            env["VATTN_DRIVER_GIL"] = {"0": "release", "1": "hold", "2": "hold-all"}[_switch(run, "h")]
-        if _switch(run, "b") is not None:
-            env["VATTN_BATCH_COPIES"] = _switch(run, "b")
+        for letter, name in {**_SWITCH_ENV, "g": "VATTN_GROUP_SIZE"}.items():
+            value = _switch(run, letter)
+            if value is not None:
+                env[name] = _DRIVER_GIL[value] if letter == "h" else value
         if spec["mode"] in ("vattn", "vattn-exact"):
             env["VATTN_VLLM"] = "1"
             env["VATTN_VLLM_EXACT"] = "1" if spec["mode"] == "vattn-exact" else "0"
@@ -183,8 +162,8 @@ def _base(mode: str) -> str:
     ``vattn`` with 1,024 MiB for packs; ``vattn:d0`` / ``vattn:d1`` -> ``vattn`` with deferred
     mapping off / on; ``vattn:w0`` -> ``vattn`` without the device-idle events; ``vattn:r0`` /
     ``vattn:r256`` -> ``vattn`` with no / 256 page-sets of free reserve; ``vattn:h1`` -> ``vattn``
-    with the driver calls holding the GIL; ``vattn:b1`` -> ``vattn`` with batched copies (variants combine:
-    ``vattn:g2:s0``)."""
+    with the driver calls holding the GIL; ``vattn:b1`` -> ``vattn`` with batched copies;
+    ``vattn:c128`` -> ``vattn`` with 128 cold slots (variants combine: ``vattn:g2:s0``)."""
     base, _, again = mode.partition("@")
     if again and not again.isdigit():
         return mode
@@ -195,6 +174,14 @@ def _base(mode: str) -> str:
         return name if ok else mode
     return base
 
+
+#: variant letter -> the engine variable its digits set (``h``: through :data:`_DRIVER_GIL`);
+#: each is removed from the environment a mode inherits. ``g`` (``VATTN_GROUP_SIZE``) is set by its
+#: variant too, but an outer value reaches every mode
+_SWITCH_ENV = {"s": "VATTN_STAGE_PREFIXES", "p": "VATTN_PACK_MB", "d": "VATTN_DEFER_MAPPING",
+               "w": "VATTN_DEVICE_WAIT", "r": "VATTN_FREE_RESERVE", "c": "VATTN_COLD_SLOTS",
+               "h": "VATTN_DRIVER_GIL", "b": "VATTN_BATCH_COPIES"}
+_DRIVER_GIL = {"0": "release", "1": "hold", "2": "hold-all"}
 
 #: the public name of :func:`_base` (``vattn bench serve`` checks its ``--modes`` with it)
 base_mode = _base
@@ -224,8 +211,8 @@ def _staging(mode: str) -> str | None:
 
 
 def _switch(mode: str, letter: str) -> str | None:
-    """``"0"`` / ``"1"`` for a ``vattn:<letter>0`` / ``vattn:<letter>1`` variant, ``None`` for any
-    other mode (the engine's default)."""
+    """The digits of a ``vattn:<letter>N`` variant (``"0"`` / ``"1"`` for a switch), ``None`` for
+    any other mode (the engine's default)."""
     return next((v[1:] for v in _variants(mode) if v.startswith(letter)), None)
 
 

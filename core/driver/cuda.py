@@ -54,6 +54,10 @@ class CudaFence:
     def wait(self) -> None:
         self.event.synchronize()
 
+    def again(self) -> None:
+        """Record the fence once more on the current stream (its event reused)."""
+        self.event.record()
+
 
 class _ArrayInterface:
     """Exposes a raw device pointer to ``torch.as_tensor`` (CUDA array interface v3)."""
@@ -266,7 +270,7 @@ class CudaDriver:
         direct = self._fast()
         if direct is None:
             return CudaFence()
-        return DirectFence(direct, self._raw_stream(self.device.index), self._fail_event)
+        return DirectFence(direct, lambda: self._raw_stream(self.device.index), self._fail_event)
 
     def timing_event(self) -> DirectTimingEvent | None:
         """An event that times, recorded on the current stream, with the GIL held (for

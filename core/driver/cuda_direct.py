@@ -130,13 +130,19 @@ class DirectEvent:
 
 
 class DirectFence(DirectEvent):
-    """A fence: an event without timing recorded on ``stream`` when made."""
+    """A fence: an event without timing recorded on ``stream`` (a handle, or a callable giving
+    the current one) when made, and again by :meth:`again`."""
 
-    __slots__ = ()
+    __slots__ = ("_stream",)
 
-    def __init__(self, calls: DirectCalls, stream: int, fail):
+    def __init__(self, calls: DirectCalls, stream, fail):
         super().__init__(calls, fail)
-        self.record_on(stream)
+        self._stream = stream if callable(stream) else (lambda: stream)
+        self.again()
+
+    def again(self) -> None:
+        """Record the fence once more, after the work issued since (its event reused)."""
+        self.record_on(self._stream())
 
 
 class DirectTimingEvent(DirectEvent):

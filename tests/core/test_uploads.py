@@ -113,3 +113,37 @@ def test_uploads_through_the_driver_on_a_gpu():
         assert all(g.device.type == "cuda" for g in got)
         assert [g.cpu().tolist() for g in got] == [a.tolist() for a in arrays]
     assert up.capacity == 64 and up.uploads == 3 * RING
+
+
+def test_the_ring_records_a_buffers_fence_again_instead_of_making_one_per_upload():
+    """A fence that can be recorded again (a CUDA event) is reused once the ring hands its buffer
+    out again: no event made per step; one that cannot is made anew."""
+    from vattn.core.uploads import FenceRing
+
+    class Reusable:
+        made = 0
+
+        def __init__(self):
+            Reusable.made += 1
+            self.records, self.finished = 1, True
+
+        def done(self):
+            return self.finished
+
+        def wait(self):
+            self.finished = True
+
+        def again(self):
+            self.records += 1
+
+    ring = FenceRing(2)
+    for _ in range(5):
+        ring.read_by(ring.claim(), Reusable)
+    assert Reusable.made == 2 and [f.records for f in ring.fences] == [3, 2] and ring.waits == 0
+    ring.fences[0].finished = False
+    assert ring.claim() == 1 and ring.claim() == 0 and ring.waits == 1     # waited before reuse
+    plain = FenceRing(1)
+    made = []
+    for _ in range(3):
+        plain.read_by(plain.claim(), lambda: made.append(1) or FakeDevice().record_fence())
+    assert len(made) == 3
