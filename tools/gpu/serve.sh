@@ -27,8 +27,11 @@
 #   VATTN_SERVE_ARGS  extra server arguments for both modes (e.g. "--max-num-seqs 256")
 #   VATTN_PROFILE_STEPS  vLLM: profile that many engine steps of every run (`--profile-steps`;
 #                     default 0 = off), VATTN_PROFILE_DELAY steps after the client starts
-#                     (default 300); the report's profile table: GPU busy / idle, kernel families,
-#                     host syncs (the raw traces stay on the machine: only their numbers come back)
+#                     (default 2000 at the 1B shape, 600 at 8B: inside the steady state — a window
+#                     at step 300 caught the first arrivals, and the profiler's start stalled the
+#                     servers for up to 2 s, 2026-12-07); the report's profile table: GPU busy /
+#                     idle, kernel families, host syncs (the raw traces stay on the machine: only
+#                     their numbers come back)
 #   VATTN_BUDGET_S    wall budget of the script (default 530 s, < 9 min): a shape is skipped when
 #                     less than 150 s are left, and `vattn bench serve --budget-s` skips the rounds
 #                     that would not fit (estimated from the slowest run so far); both say so.
@@ -69,8 +72,8 @@ PREFIX=()
 [ "$DATASET" = shared-prefix ] && PREFIX=(--prefix-len "${VATTN_PREFIX_LEN:-512}" --num-prefixes "${VATTN_NUM_PREFIXES:-8}")
 for shape in ${VATTN_SHAPES:-llama-1b-shape llama3-8b-shape}; do
   case "$shape" in
-    llama3-8b-shape) rate=${VATTN_RATE_8B:-16}; prompts=${VATTN_PROMPTS_8B:-320} ;;
-    *)               rate=${VATTN_RATE_1B:-40}; prompts=${VATTN_PROMPTS_1B:-800} ;;
+    llama3-8b-shape) rate=${VATTN_RATE_8B:-16}; prompts=${VATTN_PROMPTS_8B:-320}; delay=600 ;;
+    *)               rate=${VATTN_RATE_1B:-40}; prompts=${VATTN_PROMPTS_1B:-800}; delay=2000 ;;
   esac
   if [ "$DATASET" = shared-prefix ]; then   # a multiple of the prefixes: the same prompts per prefix
     n=${VATTN_NUM_PREFIXES:-8}; prompts=$(( (prompts + n - 1) / n * n ))
@@ -83,7 +86,7 @@ for shape in ${VATTN_SHAPES:-llama-1b-shape llama3-8b-shape}; do
     --output-len "${VATTN_OUTPUT_LEN:-256}" "${PREFIX[@]}" --device cuda \
     --server-timeout 300 --client-timeout 300 --budget-s "$(( left > 30 ? left - 30 : 1 ))" \
     $([ "${VATTN_LIKE_FOR_LIKE:-0}" = 1 ] && echo --like-for-like) \
-    --profile-steps "${VATTN_PROFILE_STEPS:-0}" --profile-delay "${VATTN_PROFILE_DELAY:-300}" \
+    --profile-steps "${VATTN_PROFILE_STEPS:-0}" --profile-delay "${VATTN_PROFILE_DELAY:-$delay}" \
     --out "$R/$shape" -- ${VATTN_SERVE_ARGS:-}
 done
 echo "== total $(( $(date +%s) - START )) s" | tee -a "$SUM"
