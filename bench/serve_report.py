@@ -150,7 +150,9 @@ def _profile_table(rows: list[dict]) -> list[str]:
         return []
     lines = ["", "Profiled window per run (vLLM's torch profiler, the same number of engine steps "
              "in every run; ms summed over the window; idle = the share of the window the GPU ran "
-             "nothing: the host fed it late):", "",
+             "nothing: the host fed it late). The profiler's start and stop stall the servers (up "
+             "to 2 s, 2026-12-07), unevenly between modes: the latency table above carries those "
+             "stalls, so take the verdict on latency from a run without --profile-steps.", "",
              "| round | mode | steps | window ms | GPU busy ms | idle | "
              + " | ".join(f"{f} ms" for f in PROFILE_FAMILIES)
              + " | host syncs (ms) | pinned allocs |", "|---" * (9 + len(PROFILE_FAMILIES)) + "|"]

@@ -108,6 +108,7 @@ def test_report_has_a_profile_row_per_profiled_run():
             {"round": 2, "mode": "stock", "profile": {"trace": dict(trace, window_ms=None),
                                                       "kernels": {"error": "ValueError"}}}]
     lines = serve_report._profile_table(rows)
+    assert any("take the verdict on latency from a run without --profile-steps" in line for line in lines)
     assert "| 1 | stock | 40 | 100.0 | 80.0 | 20.0% | 20.0 | 50.0 | – | – | – | 3 (1.5) | 0 |" in lines
     assert any(line.startswith("| 1 | vattn | ConfigError: no trace file |") for line in lines)
     assert "| 2 | stock | 40 | – | – | – | – | – | – | – | – | 3 (1.5) | 0 |" in lines
