@@ -20,7 +20,7 @@ from .. import argtypes
 from ..core.errors import ConfigError
 from ..core.metrics import Histogram
 from .limits import check_fits
-from .report import command_line, write_section
+from .report import command_line, upper_quantile, write_section
 
 __all__ = ["add_arguments", "run", "generation"]
 
@@ -287,9 +287,9 @@ def run_prefix(args) -> int:
             + " | " + " | ".join(counted) + " |",
             "|---" * (1 + len(timed) + len(per_step) + len(counted)) + "|"]
     for n, r in enumerate(runs, start=1):
-        steps_us = sorted(r.pop("apply_us", ()) or (0.0,))
-        pcts = (sum(steps_us) / len(steps_us), steps_us[len(steps_us) // 2],
-                steps_us[min(len(steps_us) - 1, int(0.99 * len(steps_us)))]) if per_step else ()
+        steps_us = r.pop("apply_us", ()) or (0.0,)
+        pcts = (sum(steps_us) / len(steps_us), upper_quantile(steps_us, 0.5),
+                upper_quantile(steps_us, 0.99)) if per_step else ()
         rows.append(f"| {n} | " + " | ".join(f"{r[k] * 1e3:.1f}" for k in timed)
                     + "".join(f" | {v:.0f}" for v in pcts) + " | "
                     + " | ".join(str(r["calls"][k]) for k in counted) + " |")

@@ -9,7 +9,14 @@ import re
 import sys
 from pathlib import Path
 
-__all__ = ["write_section", "environment", "environment_md"]
+__all__ = ["write_section", "environment", "environment_md", "upper_quantile"]
+
+
+def upper_quantile(values, q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values`` by upper rank, ``sorted[min(n - 1, int(q * n))]``
+    (the per-step p50 / p99 of the host and VMM benches); 0.0 when empty."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 def environment() -> dict:

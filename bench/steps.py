@@ -21,6 +21,8 @@ import re
 
 from vattn.core.errors import ConfigError
 
+from .report import upper_quantile
+
 __all__ = ["add_arguments", "run", "load_trace", "generations", "summarize", "schedule_gaps"]
 
 
@@ -132,12 +134,12 @@ def summarize(rows: list[dict]) -> dict:
     calls = {k: sum(r["calls"].get(k, 0) for r in rows) for k in ("map_calls", "unmap_calls", "set_access_calls")}
     worker = {k: sum(r["worker"].get(k, 0) for r in rows) for k in ("map_calls", "unmap_calls", "issued_us")}
     span = (rows[-1]["t1"] - rows[0]["t0"]) * 1e3 if rows else 0.0
-    per_step = sorted((r["t1"] - r["t0"]) * 1e6 for r in rows) or [0.0]
+    per_step = [(r["t1"] - r["t0"]) * 1e6 for r in rows]
     # a step whose section spent >= 1 ms off its thread's CPU waited (the GIL, a driver sleep)
     waited = [r for r in rows if "cpu_ms" in r and (r["t1"] - r["t0"]) * 1e3 - r["cpu_ms"] >= 1.0]
     return {"steps": len(rows), "span_ms": round(span, 1), "host_ms": round(host, 1), "cpu_ms": round(cpu, 1),
-            "host_p50_us": round(per_step[len(per_step) // 2], 1),
-            "host_p99_us": round(per_step[min(len(per_step) - 1, int(0.99 * len(per_step)))], 1),
+            "host_p50_us": round(upper_quantile(per_step, 0.5), 1),
+            "host_p99_us": round(upper_quantile(per_step, 0.99), 1),
             "waited_steps": len(waited),
             "waited_ms": round(sum((r["t1"] - r["t0"]) * 1e3 - r["cpu_ms"] for r in waited), 1),
             "idle_ms": round(idle, 1),

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Callable
 
+from .report import upper_quantile
+
 __all__ = ["CALLS", "busy_latency", "cuda_busy", "launch_stalls", "markdown", "stalls_markdown"]
 
 #: the driver calls measured, in the order one page goes through them
@@ -138,7 +140,7 @@ def launch_stalls(drv, launch: Callable[[float], None], idle: Callable[[], None]
         drv.release(handle)
         drv.free_va(base, page)
     times.sort()
-    return {"launch_median_us": statistics.median(times) * 1e6, "launch_p99_us": times[int(0.99 * len(times))] * 1e6,
+    return {"launch_median_us": statistics.median(times) * 1e6, "launch_p99_us": upper_quantile(times, 0.99) * 1e6,
             "launch_max_us": times[-1] * 1e6, "launches": launches, "kernel_ms": kernel_ms,
             "worker_calls": calls[0] if worker else None, "worker_slowest_us": slowest[0] * 1e6 if worker else None}
 

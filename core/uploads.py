@@ -23,10 +23,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["HostUploads", "FenceRing", "RING"]
+__all__ = ["HostUploads", "FenceRing", "RING", "upload_driver"]
 
 #: ring entries (uploads in flight before a host buffer is reused)
 RING = 8
+
+
+def upload_driver(driver, device):
+    """``driver`` where the adapters' per-step uploads go through it (a CUDA device and a driver
+    that keeps the GIL for them: ``gil_everywhere``, ``VATTN_DRIVER_GIL=hold-all``), else
+    ``None`` (torch's copy)."""
+    if torch.device(device).type == "cuda" and getattr(driver, "gil_everywhere", False) is True:
+        return driver
+    return None
 
 
 class FenceRing:
@@ -84,8 +93,7 @@ class HostUploads:
 
     def __init__(self, device, driver=None, *, capacity: int = 4096):
         self.device = torch.device(device)
-        cuda = self.device.type == "cuda"
-        self._driver = driver if cuda and getattr(driver, "gil_everywhere", False) is True else None
+        self._driver = upload_driver(driver, self.device)
         self.through_driver = self._driver is not None
         self.capacity = 0
         self._host: list[torch.Tensor] = []

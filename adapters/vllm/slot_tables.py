@@ -21,7 +21,7 @@ import torch
 
 from vattn.core.driver.cuda import CudaFence
 from vattn.core.errors import SlotError
-from vattn.core.uploads import FenceRing
+from vattn.core.uploads import FenceRing, upload_driver
 
 __all__ = ["SlotTables", "PAD_ROW"]
 
@@ -76,8 +76,8 @@ class SlotTables:
         #: it; else torch's events) and whether the upload goes through the driver too
         through = cuda and driver is not None
         self._fences = driver.record_fence if through else (CudaFence if cuda else None)
-        everywhere = through and getattr(driver, "gil_everywhere", False) is True
-        self._upload = driver.copy_from_host if everywhere else None
+        everywhere = upload_driver(driver, self.device)
+        self._upload = everywhere.copy_from_host if everywhere is not None else None
         #: one Triton launch for the slot mapping (CUDA); the torch form elsewhere
         self.fused = self.device.type == "cuda"
         self.fused_error: str | None = None   # why the Triton kernel was given up, if it was
