@@ -143,7 +143,8 @@ class VllmRunner:
                 env[name] = _DRIVER_GIL[value] if letter == "h" else value
         if spec["mode"] in ("vattn", "vattn-exact"):
             env["VATTN_VLLM"] = "1"
-            env["VATTN_VLLM_EXACT"] = "1" if spec["mode"] == "vattn-exact" else "0"
+            exact = spec["mode"] == "vattn-exact" or _switch(run, "e") == "1"
+            env["VATTN_VLLM_EXACT"] = "1" if exact else "0"
         for key, value in (_GPU_ENV if spec["device"].startswith("cuda") else _CPU_ENV).items():
             env.setdefault(key, value)
         return env
@@ -163,7 +164,9 @@ def _base(mode: str) -> str:
     mapping off / on; ``vattn:w0`` -> ``vattn`` without the device-idle events; ``vattn:r0`` /
     ``vattn:r256`` -> ``vattn`` with no / 256 page-sets of free reserve; ``vattn:h1`` -> ``vattn``
     with the driver calls holding the GIL; ``vattn:b1`` -> ``vattn`` with batched copies;
-    ``vattn:c128`` -> ``vattn`` with 128 cold slots (variants combine: ``vattn:g2:s0``)."""
+    ``vattn:c128`` -> ``vattn`` with 128 cold slots; ``vattn:e1`` -> ``vattn`` on stock's FA3 kernel
+    path (``VATTN_VLLM_EXACT=1``, as ``vattn-exact``; a name the servers accept too) (variants
+    combine: ``vattn:g2:s0``)."""
     base, _, again = mode.partition("@")
     if again and not again.isdigit():
         return mode
@@ -186,7 +189,7 @@ _DRIVER_GIL = {"0": "release", "1": "hold", "2": "hold-all"}
 #: the public name of :func:`_base` (``vattn bench serve`` checks its ``--modes`` with it)
 base_mode = _base
 
-_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+|d[01]|w[01]|r[0-9]+|h[012]|b[01]|c[0-9]+")
+_VARIANT = re.compile(r"g[1-9][0-9]*|s[01]|p[0-9]+|d[01]|w[01]|r[0-9]+|h[012]|b[01]|c[0-9]+|e[01]")
 
 
 def _variants(mode: str) -> list[str]:

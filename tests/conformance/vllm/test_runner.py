@@ -124,6 +124,9 @@ def test_runner_staging_variant_turns_prefix_staging_on_or_off_in_its_engine(mon
     assert _engine_env(monkeypatch, "VATTN_DRIVER_GIL", ("vattn", "vattn:h0", "vattn:h1", "vattn:h2")) == [None, "release", "hold", "hold-all"]
     assert _engine_env(monkeypatch, "VATTN_BATCH_COPIES", ("vattn", "vattn:b0", "vattn:h1:b1")) == [None, "0", "1"]
     assert _engine_env(monkeypatch, "VATTN_COLD_SLOTS", ("vattn", "vattn:c0", "vattn:c128:b1")) == [None, "0", "128"]
+    # stock's FA3 kernel path as a variant (the servers take variants, not ``vattn-exact``)
+    assert _engine_env(monkeypatch, "VATTN_VLLM_EXACT", ("stock", "vattn", "vattn:e1", "vattn:e0:b1",
+                                                        "vattn-exact")) == [None, "0", "1", "0", "1"]
 
 
 def test_runner_pack_variant_gives_its_engine_a_pack_budget(monkeypatch):
