@@ -1,4 +1,4 @@
-"""The ``vattn`` command: ``info``, ``bench {vmm,attention,layout,host,engine,serve,faults,soak,sched,radix,aliasing}``, ``conformance``,
+"""The ``vattn`` command: ``info``, ``bench {vmm,attention,layout,host,engine,serve,faults,soak,sched,loop,radix,aliasing}``, ``conformance``,
 ``compare``.
 
 A bad input ends the command with one line on stderr (what was expected, what was given, what
@@ -37,6 +37,7 @@ _BENCHES = {
     "soak": ("vattn.bench.soak", "an engine server under mixed load with aborts: memory, fds, pages, audit"),
     "radix": ("vattn.bench.radix", "SGLang's radix cache driving vattn's pool: host time per forward (host backend)"),
     "sched": ("vattn.bench.sched", "the engine core's prefix-cache bookkeeping per generation (vLLM's KVCacheManager)"),
+    "loop": ("vattn.bench.loop", "two engines' profiled loop windows (VATTN_ENGINE_PROFILE) side by side per function"),
     "steps": ("vattn.bench.steps", "a GPU run's step traces: vattn's host time, device idle and driver calls per step"),
     "aliasing": ("vattn.bench.aliasing", "decode over a shared prefix: private copies vs aliased pages vs one region"),
 }

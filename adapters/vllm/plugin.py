@@ -10,6 +10,8 @@ With it set, the vLLM version is checked (untested versions raise), the attentio
 registered — ``AttentionBackendEnum.CUSTOM`` on GPU (select it with ``--attention-backend CUSTOM``
 or ``LLM(..., attention_backend="CUSTOM")``), the ``CPU_ATTN`` member on the CPU runner, which
 offers no other slot — and the KV-cache hooks of :mod:`.kv_hooks` are installed.
+``VATTN_ENGINE_PROFILE`` is the one switch read without it (a profile window of the engine-core
+loop, for stock and vattn servers alike: :mod:`.loop_profile`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,12 @@ def enabled() -> bool:
 
 
 def register() -> None:
-    """Register the vattn backend and install the KV hooks (only with ``VATTN_VLLM=1``)."""
+    """Register the vattn backend and install the KV hooks (only with ``VATTN_VLLM=1``); with
+    ``VATTN_ENGINE_PROFILE`` set, profile a window of the engine-core loop (stock too:
+    :mod:`.loop_profile`)."""
+    if os.environ.get("VATTN_ENGINE_PROFILE"):       # nothing imported otherwise
+        from .loop_profile import install_loop_profile
+        install_loop_profile()
     if not enabled():
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend

@@ -135,8 +135,8 @@ class VllmRunner:
         for name in _SWITCH_ENV.values():            # only a mode's variant sets them
             env.pop(name, None)
         run = spec.get("run_name", spec["mode"])
-        if env.get("VATTN_STEP_TRACE"):
-            env["VATTN_RUN_NAME"] = run              # names the engine's step trace
+        if env.get("VATTN_STEP_TRACE") or env.get("VATTN_ENGINE_PROFILE"):
+            env["VATTN_RUN_NAME"] = run              # names the engine's step trace / loop profile
         for letter, name in {**_SWITCH_ENV, "g": "VATTN_GROUP_SIZE"}.items():
             value = _switch(run, letter)
             if value is not None:

@@ -32,6 +32,10 @@
 #                     servers for up to 2 s, 2026-12-07); the report's profile table: GPU busy /
 #                     idle, kernel families, host syncs (the raw traces stay on the machine: only
 #                     their numbers come back)
+#   VATTN_LOOP_PROFILE=1  vLLM: every server (stock too) profiles a window of its engine-core loop
+#                     (cProfile; VATTN_ENGINE_PROFILE_STEPS=SKIP:STEPS, default 2000:500 at the 1B
+#                     shape, 600:200 at 8B) into loop/<pid>.prof + .txt in the results; compare the
+#                     modes with `vattn bench loop --results DIR`
 #   VATTN_BUDGET_S    wall budget of the script (default 530 s, < 9 min): a shape is skipped when
 #                     less than 150 s are left, and `vattn bench serve --budget-s` skips the rounds
 #                     that would not fit (estimated from the slowest run so far); both say so.
@@ -49,6 +53,8 @@ ENGINE=${VATTN_ENGINE:-vllm}
 use_engine "$ENGINE" || exit 2
 export VATTN_MODELS=${VATTN_MODELS:-$W/models}   # config-only models (a few kB each)
 [ "${VATTN_TRACE_STEPS:-0}" = 1 ] && export VATTN_STEP_TRACE="$R/steps/{pid}.json"
+[ "${VATTN_LOOP_PROFILE:-0}" = 1 ] && export VATTN_ENGINE_PROFILE="$R/loop/{pid}"
+LOOP_STEPS=${VATTN_ENGINE_PROFILE_STEPS:-}
 
 pack() {
   local tmp=$W/pack.$BASHPID.tgz
@@ -72,9 +78,10 @@ PREFIX=()
 [ "$DATASET" = shared-prefix ] && PREFIX=(--prefix-len "${VATTN_PREFIX_LEN:-512}" --num-prefixes "${VATTN_NUM_PREFIXES:-8}")
 for shape in ${VATTN_SHAPES:-llama-1b-shape llama3-8b-shape}; do
   case "$shape" in
-    llama3-8b-shape) rate=${VATTN_RATE_8B:-16}; prompts=${VATTN_PROMPTS_8B:-320}; delay=600 ;;
-    *)               rate=${VATTN_RATE_1B:-40}; prompts=${VATTN_PROMPTS_1B:-800}; delay=2000 ;;
+    llama3-8b-shape) rate=${VATTN_RATE_8B:-16}; prompts=${VATTN_PROMPTS_8B:-320}; delay=600; loop=600:200 ;;
+    *)               rate=${VATTN_RATE_1B:-40}; prompts=${VATTN_PROMPTS_1B:-800}; delay=2000; loop=2000:500 ;;
   esac
+  export VATTN_ENGINE_PROFILE_STEPS=${LOOP_STEPS:-$loop}
   if [ "$DATASET" = shared-prefix ]; then   # a multiple of the prefixes: the same prompts per prefix
     n=${VATTN_NUM_PREFIXES:-8}; prompts=$(( (prompts + n - 1) / n * n ))
   fi

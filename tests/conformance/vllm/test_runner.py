@@ -136,3 +136,16 @@ def test_runner_pack_variant_gives_its_engine_a_pack_budget(monkeypatch):
     for bad in ("stock:p8", "vattn:p", "vattn:p8:p16", "vattn:px"):
         assert conf._base(bad) == bad
     assert _engine_env(monkeypatch, "VATTN_PACK_MB", ("vattn", "vattn:p1024")) == [None, "1024"]
+
+
+def test_a_loop_profile_or_step_trace_labels_each_engine_with_its_mode(monkeypatch):
+    from vattn.conformance.runners import vllm as conf
+    runner = conf.VllmRunner(device="cuda", modes=("stock", "vattn:e1"), log_dir=None)
+    spec = {"mode": "vattn", "run_name": "vattn:e1", "device": "cuda"}
+    for name in ("VATTN_STEP_TRACE", "VATTN_ENGINE_PROFILE"):
+        monkeypatch.delenv("VATTN_STEP_TRACE", raising=False)
+        monkeypatch.delenv("VATTN_ENGINE_PROFILE", raising=False)
+        assert "VATTN_RUN_NAME" not in runner.env_for(spec)
+        monkeypatch.setenv(name, "/tmp/x-{pid}")
+        assert runner.env_for(spec)["VATTN_RUN_NAME"] == "vattn:e1"
+        assert runner.env_for({"mode": "stock", "run_name": "stock", "device": "cuda"})["VATTN_RUN_NAME"] == "stock"

@@ -1,0 +1,115 @@
+"""``vattn bench loop``: two engines' profiled loop windows side by side, per step and function.
+
+A server run with ``VATTN_ENGINE_PROFILE`` (``tools/gpu/serve.sh`` with
+``VATTN_ENGINE_PROFILE=1``) leaves, per engine, ``<pid>.prof`` and ``<pid>.txt``
+(:mod:`vattn.core.window_profile`): a ``cProfile`` of the same window of steps of the engine's
+loop, labelled with the run's mode. This command finds them under the results folders, averages
+the runs of each mode, and lists the functions whose own time per step differs most between the
+base mode (``stock``) and each other mode: where a slower engine's steps go. Times are those of
+profiled code (every Python call is counted, which slows Python down); compare them with each
+other, not with an unprofiled step.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pstats
+import re
+
+from vattn.core.errors import ConfigError
+
+__all__ = ["add_arguments", "run", "load_window", "per_step", "compare"]
+
+_HEAD = re.compile(r"run: (?P<run>\S+)\n(?P<steps>\d+) steps after (?P<skip>\d+), (?P<wall>[\d.]+) ms wall")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--results", action="append", required=True,
+                        help="a results folder holding the windows' .prof/.txt pairs (repeatable)")
+    parser.add_argument("--base", default="stock", help="the mode the others are compared with")
+    parser.add_argument("--top", type=int, default=25, help="functions listed per mode")
+
+
+def load_window(prof_path: str) -> dict:
+    """``{run, steps, skip, wall_ms, stats}`` of one window (``PATH.prof`` beside ``PATH.txt``)."""
+    txt = prof_path[:-len(".prof")] + ".txt"
+    try:
+        with open(txt) as f:
+            head = _HEAD.match(f.read(400))
+    except OSError as exc:
+        raise ConfigError(f"--results: {prof_path!r} has no readable window summary {txt!r} ({exc})") from exc
+    if head is None:
+        raise ConfigError(f"--results: expected a window summary ('run: NAME' then 'N steps after K, "
+                          f"W ms wall') in {txt!r}")
+    try:
+        stats = pstats.Stats(prof_path).stats
+    except Exception as exc:  # noqa: BLE001 - marshal/EOF errors of a truncated or foreign file
+        raise ConfigError(f"--results: {prof_path!r} is not a readable profile ({type(exc).__name__})") from exc
+    return {"run": head["run"], "steps": int(head["steps"]), "skip": int(head["skip"]),
+            "wall_ms": float(head["wall"]), "stats": stats}
+
+
+def _name(key) -> str:
+    path, line, func = key
+    if path == "~":
+        return func                                   # a builtin: "<method 'x' of 'y' objects>"
+    parts = path.replace("\\", "/").split("/")
+    return f"{'/'.join(parts[-2:])}:{line}({func})"
+
+
+def per_step(windows: list[dict]) -> dict:
+    """``{function: (own µs, cumulative µs, calls)}`` per step, averaged over ``windows`` (the
+    runs of one mode), plus ``"__step__": (profiled wall µs per step, 0, 1)``."""
+    total: dict[str, list[float]] = {}
+    for w in windows:
+        for key, (_cc, calls, own, cum, _callers) in w["stats"].items():
+            acc = total.setdefault(_name(key), [0.0, 0.0, 0.0])
+            acc[0] += own * 1e6 / w["steps"]
+            acc[1] += cum * 1e6 / w["steps"]
+            acc[2] += calls / w["steps"]
+    n = len(windows)
+    out = {name: (own / n, cum / n, calls / n) for name, (own, cum, calls) in total.items()}
+    out["__step__"] = (sum(w["wall_ms"] * 1e3 / w["steps"] for w in windows) / n, 0.0, 1.0)
+    return out
+
+
+def compare(base: dict, other: dict, top: int) -> list[tuple]:
+    """Rows ``(function, base own µs, other own µs, difference, base calls, other calls)`` of the
+    ``top`` functions whose own time per step differs most."""
+    names = (set(base) | set(other)) - {"__step__"}
+    rows = []
+    for name in names:
+        b, o = base.get(name, (0.0, 0.0, 0.0)), other.get(name, (0.0, 0.0, 0.0))
+        rows.append((name, b[0], o[0], o[0] - b[0], b[2], o[2]))
+    rows.sort(key=lambda r: -abs(r[3]))
+    return rows[:top]
+
+
+def run(args) -> int:
+    paths = []
+    for folder in args.results:
+        if not os.path.isdir(folder):
+            raise ConfigError(f"--results: no such folder {folder!r}")
+        paths += sorted(glob.glob(os.path.join(folder, "**", "*.prof"), recursive=True))
+    if not paths:
+        raise ConfigError(f"--results: no profiled loop window (*.prof) under {', '.join(args.results)}")
+    by_run: dict[str, list[dict]] = {}
+    for path in paths:
+        window = load_window(path)
+        by_run.setdefault(window["run"], []).append(window)
+    if args.base not in by_run:
+        raise ConfigError(f"--base {args.base!r}: no window of that mode; found {', '.join(sorted(by_run))}")
+    base = per_step(by_run[args.base])
+    for mode in sorted(set(by_run) - {args.base}):
+        other = per_step(by_run[mode])
+        b, o = base["__step__"][0], other["__step__"][0]
+        print(f"## {mode} vs {args.base}: {o:.0f} vs {b:.0f} µs a profiled step ({o / b:.3f}×; "
+              f"{len(by_run[mode])} / {len(by_run[args.base])} windows)\n")
+        print(f"| function | {args.base} own µs/step | {mode} own µs/step | difference | "
+              f"calls/step {args.base} | calls/step {mode} |")
+        print("|---|---|---|---|---|---|")
+        for name, bu, ou, d, bc, oc in compare(base, other, args.top):
+            print(f"| `{name}` | {bu:.1f} | {ou:.1f} | {d:+.1f} | {bc:.1f} | {oc:.1f} |")
+        print()
+    return 0

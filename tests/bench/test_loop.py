@@ -1,0 +1,60 @@
+"""``vattn bench loop``: profiled loop windows of two modes compared per function and step."""
+
+import pytest
+
+from vattn.bench.loop import compare, load_window, per_step
+from vattn.cli import main, run_command
+from vattn.core.errors import ConfigError
+from vattn.core.window_profile import WindowProfile
+
+
+def _spin(n):
+    return sum(i * i for i in range(n))
+
+
+def _extra_work(n):
+    return _spin(n)
+
+
+def _window(path, label, extra: int, steps=4):
+    profile = WindowProfile(str(path), skip=1, steps=steps, label=label)
+
+    def step():
+        _spin(2000)
+        if extra:
+            _extra_work(extra)
+    wrapped = profile.wrap(step, step=True)
+    for _ in range(steps + 2):
+        wrapped()
+    assert profile.done
+
+
+def test_the_mode_with_extra_work_shows_it_as_the_top_difference(tmp_path, capsys):
+    _window(tmp_path / "a" / "stock-1", "stock", 0)
+    _window(tmp_path / "a" / "stock-2", "stock", 0)
+    _window(tmp_path / "b" / "vattn-1", "vattn", 40_000)
+    stock = load_window(str(tmp_path / "a" / "stock-1.prof"))
+    assert (stock["run"], stock["steps"], stock["skip"]) == ("stock", 4, 1)
+    base = per_step([stock, load_window(str(tmp_path / "a" / "stock-2.prof"))])
+    other = per_step([load_window(str(tmp_path / "b" / "vattn-1.prof"))])
+    rows = compare(base, other, top=3)
+    assert "test_loop.py" in rows[0][0] and rows[0][3] > 0     # _spin's generator: 21x the work in vattn
+    extra = next(r for r in rows + compare(base, other, top=50) if "_extra_work" in r[0])
+    assert extra[1] == 0.0 and extra[2] > 0 and extra[5] == pytest.approx(1.0)   # once a step, vattn only
+    assert main(["bench", "loop", "--results", str(tmp_path / "a"), "--results", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("## vattn vs stock:") and "; 1 / 2 windows)" in out and "_extra_work" in out
+
+
+def test_missing_windows_and_modes_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="no such folder"):
+        run_command(["bench", "loop", "--results", str(tmp_path / "nope")])
+    with pytest.raises(ConfigError, match="no profiled loop window"):
+        run_command(["bench", "loop", "--results", str(tmp_path)])
+    _window(tmp_path / "x", "vattn", 0)
+    with pytest.raises(ConfigError, match="--base 'stock': no window of that mode; found vattn"):
+        run_command(["bench", "loop", "--results", str(tmp_path)])
+    (tmp_path / "y.prof").write_bytes(b"junk")
+    (tmp_path / "y.txt").write_text("run: stock\n4 steps after 1, 2.0 ms wall\n")
+    with pytest.raises(ConfigError, match="not a readable profile"):
+        run_command(["bench", "loop", "--results", str(tmp_path)])
