@@ -22,6 +22,8 @@ from vattn.core.errors import ConfigError
 __all__ = ["add_arguments", "run", "load_window", "per_step", "compare"]
 
 _HEAD = re.compile(r"run: (?P<run>\S+)\n(?P<steps>\d+) steps after (?P<skip>\d+), (?P<wall>[\d.]+) ms wall")
+_CPU = re.compile(r"^thread CPU (?P<cpu>[\d.]+) ms", re.M)
+_GC = re.compile(r"^gc: (?P<n0>\d+)/(?P<n1>\d+)/(?P<n2>\d+) collections .*?, (?P<ms>[\d.]+) ms", re.M)
 
 
 def add_arguments(parser) -> None:
@@ -36,7 +38,8 @@ def load_window(prof_path: str) -> dict:
     txt = prof_path[:-len(".prof")] + ".txt"
     try:
         with open(txt) as f:
-            head = _HEAD.match(f.read(400))
+            text = f.read(600)
+        head = _HEAD.match(text)
     except OSError as exc:
         raise ConfigError(f"--results: {prof_path!r} has no readable window summary {txt!r} ({exc})") from exc
     if head is None:
@@ -46,8 +49,25 @@ def load_window(prof_path: str) -> dict:
         stats = pstats.Stats(prof_path).stats
     except Exception as exc:  # noqa: BLE001 - marshal/EOF errors of a truncated or foreign file
         raise ConfigError(f"--results: {prof_path!r} is not a readable profile ({type(exc).__name__})") from exc
+    cpu, collected = _CPU.search(text), _GC.search(text)
     return {"run": head["run"], "steps": int(head["steps"]), "skip": int(head["skip"]),
-            "wall_ms": float(head["wall"]), "stats": stats}
+            "wall_ms": float(head["wall"]), "stats": stats,
+            "cpu_ms": float(cpu["cpu"]) if cpu else None,
+            "gc": (tuple(int(collected[k]) for k in ("n0", "n1", "n2")), float(collected["ms"])) if collected else None}
+
+
+def _extras(windows: list[dict]) -> str:
+    """The thread's CPU and the collector's time per step, averaged, where the windows have them."""
+    parts = []
+    cpu = [w["cpu_ms"] * 1e3 / w["steps"] for w in windows if w.get("cpu_ms") is not None]
+    if cpu:
+        parts.append(f"thread CPU {sum(cpu) / len(cpu):.0f} µs")
+    collected = [w["gc"] for w in windows if w.get("gc")]
+    if collected:
+        steps = sum(w["steps"] for w in windows if w.get("gc"))
+        gen2 = sum(counts[2] for counts, _ in collected)
+        parts.append(f"gc {1e3 * sum(ms for _, ms in collected) / steps:.1f} µs ({gen2} full collections)")
+    return ", ".join(parts) or "no CPU / gc lines"
 
 
 def _name(key) -> str:
@@ -106,6 +126,7 @@ def run(args) -> int:
         b, o = base["__step__"][0], other["__step__"][0]
         print(f"## {mode} vs {args.base}: {o:.0f} vs {b:.0f} µs a profiled step ({o / b:.3f}×; "
               f"{len(by_run[mode])} / {len(by_run[args.base])} windows)\n")
+        print(f"- per step, {mode}: {_extras(by_run[mode])}; {args.base}: {_extras(by_run[args.base])}\n")
         print(f"| function | {args.base} own µs/step | {mode} own µs/step | difference | "
               f"calls/step {args.base} | calls/step {mode} |")
         print("|---|---|---|---|---|---|")

@@ -4,8 +4,9 @@ vattn's step trace times vattn's sections; what an engine does around them (its 
 runner's input preparation, its output handling) is not in it. :class:`WindowProfile` wraps the
 engine loop's own methods: after ``skip`` steps it turns ``cProfile`` on for the next ``steps``
 steps (the thread that runs them only) and then writes ``PATH.prof`` (read with ``pstats``) and
-``PATH.txt`` (the steps, their wall time, the functions with the most own time and the most
-time under them). The same wrapper on a stock engine and on a vattn engine shows which
+``PATH.txt`` (the steps, their wall time, the thread's CPU time over them — a thread that waits
+for the GIL or a lock spends wall time without CPU — the garbage collector's collections and
+time in the window, the functions with the most own time and the most time under them). The same wrapper on a stock engine and on a vattn engine shows which
 functions the difference per step is in. Profiling slows Python code down (each call is
 counted), so a window's step time is not the engine's; the two engines' windows compare with
 each other.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import cProfile
 import functools
+import gc
 import io
 import os
 import pstats
@@ -61,7 +63,8 @@ class WindowProfile:
         self.seen = 0                      # steps counted so far
         self.done = False
         self._profile: cProfile.Profile | None = None
-        self._t0 = 0.0
+        self._t0 = self._cpu0 = 0.0
+        self._gc = _GcTimer(time.perf_counter)
 
     def wrap(self, fn, *, step: bool):
         """``fn`` profiled while the window is open; ``step=True``: each call is one step (the
@@ -74,6 +77,8 @@ class WindowProfile:
                 self.seen += 1
                 if self.seen == self.skip + 1:
                     self._profile, self._t0 = cProfile.Profile(), self.clock()
+                    self._cpu0 = time.thread_time()
+                    self._gc.start()
             profile = self._profile
             if profile is None:
                 return fn(*args, **kwargs)
@@ -83,12 +88,15 @@ class WindowProfile:
             finally:
                 profile.disable()
                 if step and self.seen == self.skip + self.steps:
-                    self.write(self.clock() - self._t0)
+                    self.write(self.clock() - self._t0, cpu_s=time.thread_time() - self._cpu0)
         return wrapper
 
-    def write(self, wall_s: float) -> str:
-        """Write ``PATH.prof`` and ``PATH.txt`` now and stop profiling; returns the text."""
+    def write(self, wall_s: float, *, cpu_s: float | None = None) -> str:
+        """Write ``PATH.prof`` and ``PATH.txt`` now and stop profiling; returns the text.
+        ``cpu_s``: the thread's CPU time over the window (wall well above it: the thread waited
+        — for the GIL, a lock, the device)."""
         self.done = True
+        self._gc.stop()
         profile, self._profile = self._profile, None
         if profile is None:
             return ""
@@ -97,6 +105,10 @@ class WindowProfile:
         out = io.StringIO()
         out.write(f"run: {self.label or '-'}\n{self.steps} steps after {self.skip}, {wall_s * 1e3:.1f} ms wall "
                   f"({wall_s * 1e6 / self.steps:.0f} us a step, profiled)\n")
+        if cpu_s is not None:
+            out.write(f"thread CPU {cpu_s * 1e3:.1f} ms ({100 * cpu_s / wall_s if wall_s else 0:.0f} % of the wall)\n")
+        counts = "/".join(str(n) for n in self._gc.counts)
+        out.write(f"gc: {counts} collections of generations 0/1/2 in the window, {self._gc.seconds * 1e3:.1f} ms\n")
         stats = pstats.Stats(profile, stream=out)
         for key in ("tottime", "cumulative"):
             stats.sort_stats(key).print_stats(_TOP)
@@ -104,6 +116,29 @@ class WindowProfile:
         with open(f"{self.path}.txt", "w") as f:
             f.write(text)
         return text
+
+
+class _GcTimer:
+    """Collections of the garbage collector (any thread) and their time while started."""
+
+    def __init__(self, clock):
+        self.clock, self.counts, self.seconds, self._t = clock, [0, 0, 0], 0.0, None
+
+    def start(self) -> None:
+        if self._callback not in gc.callbacks:
+            gc.callbacks.append(self._callback)
+
+    def stop(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = self.clock()
+        elif self._t is not None:
+            self.counts[min(int(info.get("generation", 0)), 2)] += 1
+            self.seconds += self.clock() - self._t
+            self._t = None
 
 
 def from_env(environ=None) -> WindowProfile | None:

@@ -44,6 +44,7 @@ def test_the_mode_with_extra_work_shows_it_as_the_top_difference(tmp_path, capsy
     assert main(["bench", "loop", "--results", str(tmp_path / "a"), "--results", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
     assert out.startswith("## vattn vs stock:") and "; 1 / 2 windows)" in out and "_extra_work" in out
+    assert "- per step, vattn: thread CPU " in out and "full collections); stock: thread CPU " in out
 
 
 def test_missing_windows_and_modes_are_refused(tmp_path):

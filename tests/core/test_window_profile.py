@@ -1,5 +1,6 @@
 """``WindowProfile``: cProfile over a window of an engine loop's steps, written as .prof + .txt."""
 
+import gc
 import pstats
 
 import pytest
@@ -9,6 +10,7 @@ from vattn.core.window_profile import WindowProfile, from_env
 
 
 def _only_in_window(n):
+    gc.collect()                 # one full collection per window step: the window counts them
     return sum(range(n))
 
 
@@ -43,6 +45,13 @@ def test_the_window_profiles_exactly_its_steps_then_writes_both_files(tmp_path):
     text = next(tmp_path.glob("p-*.txt")).read_text()
     assert text.startswith("run: stock\n2 steps after 3, 1000.0 ms wall (500000 us a step, profiled)")
     assert "_only_in_window" in text
+    lines = text.splitlines()
+    assert lines[2].startswith("thread CPU ") and "% of the wall)" in lines[2]
+    gens = lines[3].split()[1].split("/")
+    assert lines[3].startswith("gc: ") and int(gens[2]) >= 2          # the two in the window, at least
+    before = list(gc.callbacks)
+    gc.collect()
+    assert gc.callbacks == before and not any("_GcTimer" in repr(c) for c in gc.callbacks)   # removed
 
 
 def test_a_loop_shorter_than_the_window_writes_nothing(tmp_path):
