@@ -144,6 +144,10 @@ def summarize(rows: list[dict]) -> dict:
             "waited_ms": round(sum((r["t1"] - r["t0"]) * 1e3 - r["cpu_ms"] for r in waited), 1),
             "idle_ms": round(idle, 1),
             "binds": sum(r.get("binds", 0) for r in rows), "calls": calls, "worker_calls": worker,
+            # sections that began while the device still ran earlier work (None: not recorded): a
+            # host-bound engine finds it idle at almost every step
+            "busy_starts": sum(1 for r in rows if r.get("busy")),
+            "busy_known": sum(1 for r in rows if r.get("busy") is not None),
             "deferred": sum(r["calls"].get("calls_deferred", 0) for r in rows)}
 
 
@@ -160,7 +164,9 @@ def _report(mode: str, trace: dict, walls, top: int) -> str:
                      + (f"; {s['deferred']} of the sections' calls deferred, made in the forward over "
                         f"{s['worker_calls']['issued_us'] / 1e3:.1f} ms" if s["deferred"] else "")
                      + f"; per step host p50 {s['host_p50_us']:.0f} µs / p99 {s['host_p99_us']:.0f} µs, "
-                       f"{s['waited_steps']} steps off the CPU ≥ 1 ms ({s['waited_ms']:.1f} ms)")
+                       f"{s['waited_steps']} steps off the CPU ≥ 1 ms ({s['waited_ms']:.1f} ms)"
+                     + (f"; {s['busy_starts']} of {s['busy_known']} sections began with the device "
+                        f"still busy" if s["busy_known"] else ""))
         if name == "before":
             continue
         worst = sorted(rows, key=lambda r: -(r["idle_us"] or 0.0))[:top]

@@ -99,3 +99,17 @@ def test_summary_gives_per_step_percentiles_and_the_steps_that_waited_off_the_cp
     assert s["host_p50_us"] == pytest.approx(200.0) and s["host_p99_us"] == pytest.approx(6000.0)
     assert s["waited_steps"] == 1 and s["waited_ms"] == pytest.approx(5.5)
     assert steps.summarize([])["host_p99_us"] == 0.0
+
+
+def test_summary_counts_the_sections_that_began_with_the_device_still_busy():
+    """A host-bound engine's sections begin with the device idle; rows without the field (host
+    runs, older traces) are not counted either way."""
+    calls = {"map_calls": 0, "unmap_calls": 0, "set_access_calls": 0}
+    worker = {"map_calls": 0, "unmap_calls": 0, "issued_us": 0}
+    rows = [{"t0": i, "t1": i + 0.001, "idle_us": 5.0, "calls": calls, "worker": worker, "busy": busy}
+            for i, busy in enumerate([True, False, False, None, True])]
+    for row in rows:
+        if row["busy"] is None:
+            del row["busy"]
+    s = steps.summarize(rows)
+    assert (s["busy_starts"], s["busy_known"]) == (2, 4)
