@@ -13,9 +13,11 @@ other, not with an unprofiled step.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import pstats
 import re
+import statistics
 
 from vattn.core.errors import ConfigError
 
@@ -50,10 +52,28 @@ def load_window(prof_path: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - marshal/EOF errors of a truncated or foreign file
         raise ConfigError(f"--results: {prof_path!r} is not a readable profile ({type(exc).__name__})") from exc
     cpu, collected = _CPU.search(text), _GC.search(text)
-    return {"run": head["run"], "steps": int(head["steps"]), "skip": int(head["skip"]),
+    timeline = []
+    path = prof_path[:-len(".prof")] + ".timeline.json"
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                timeline = json.load(f)["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"--results: {path!r} is not a loop timeline ({type(exc).__name__})") from exc
+    return {"timeline": timeline, "run": head["run"], "steps": int(head["steps"]), "skip": int(head["skip"]),
             "wall_ms": float(head["wall"]), "stats": stats,
             "cpu_ms": float(cpu["cpu"]) if cpu else None,
             "gc": (tuple(int(collected[k]) for k in ("n0", "n1", "n2")), float(collected["ms"])) if collected else None}
+
+
+def step_kinds(windows: list[dict]) -> dict:
+    """The unprofiled timeline's steps by kind: ``{kind: (steps, mean ms, median ms)}`` for
+    ``"decode only"`` (no new request scheduled), ``"with new requests"`` and ``"all"``."""
+    rows = [r for w in windows for r in w.get("timeline", ())]
+    kinds = {"decode only": [r["ms"] for r in rows if r.get("new") == 0],
+             "with new requests": [r["ms"] for r in rows if r.get("new", 0) > 0],
+             "all": [r["ms"] for r in rows]}
+    return {k: (len(v), statistics.fmean(v), statistics.median(v)) for k, v in kinds.items() if v}
 
 
 def _extras(windows: list[dict]) -> str:
@@ -127,6 +147,16 @@ def run(args) -> int:
         print(f"## {mode} vs {args.base}: {o:.0f} vs {b:.0f} µs a profiled step ({o / b:.3f}×; "
               f"{len(by_run[mode])} / {len(by_run[args.base])} windows)\n")
         print(f"- per step, {mode}: {_extras(by_run[mode])}; {args.base}: {_extras(by_run[args.base])}\n")
+        kinds_b, kinds_o = step_kinds(by_run[args.base]), step_kinds(by_run[mode])
+        if kinds_b and kinds_o:
+            print(f"| steps before the window, unprofiled | {args.base}: steps, mean / p50 ms | "
+                  f"{mode}: steps, mean / p50 ms | mean {mode} / {args.base} |")
+            print("|---|---|---|---|")
+            for kind in ("decode only", "with new requests", "all"):
+                if kind in kinds_b and kind in kinds_o:
+                    (nb, mb, pb), (no, mo, po) = kinds_b[kind], kinds_o[kind]
+                    print(f"| {kind} | {nb}, {mb:.2f} / {pb:.2f} | {no}, {mo:.2f} / {po:.2f} | {mo / mb:.3f} |")
+            print()
         print(f"| function | {args.base} own µs/step | {mode} own µs/step | difference | "
               f"calls/step {args.base} | calls/step {mode} |")
         print("|---|---|---|---|---|---|")

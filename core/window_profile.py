@@ -6,7 +6,10 @@ engine loop's own methods: after ``skip`` steps it turns ``cProfile`` on for the
 steps (the thread that runs them only) and then writes ``PATH.prof`` (read with ``pstats``) and
 ``PATH.txt`` (the steps, their wall time, the thread's CPU time over them — a thread that waits
 for the GIL or a lock spends wall time without CPU — the garbage collector's collections and
-time in the window, the functions with the most own time and the most time under them). The same wrapper on a stock engine and on a vattn engine shows which
+time in the window, the functions with the most own time and the most time under them), and
+``PATH.timeline.json``: the ``steps`` steps just before the window, unprofiled, each with its
+wall time and what the adapter noted of it (:meth:`WindowProfile.note`: e.g. the tokens and new
+requests it scheduled), so steps of each kind can be timed on a stock and a vattn engine alike. The same wrapper on a stock engine and on a vattn engine shows which
 functions the difference per step is in. Profiling slows Python code down (each call is
 counted), so a window's step time is not the engine's; the two engines' windows compare with
 each other.
@@ -23,6 +26,7 @@ import cProfile
 import functools
 import gc
 import io
+import json
 import os
 import pstats
 import time
@@ -65,7 +69,18 @@ class WindowProfile:
         self._profile: cProfile.Profile | None = None
         self._t0 = self._cpu0 = 0.0
         self._gc = _GcTimer(time.perf_counter)
+        #: the unprofiled steps just before the window (up to ``steps`` of them): per step its
+        #: start (ms since the first), its wall ms and what :meth:`note` attached to it
+        self.timeline: list[dict] = []
+        self._notes: dict = {}
+        self._origin: float | None = None
 
+    def note(self, **fields) -> None:
+        """Attach ``fields`` (JSON scalars, e.g. the tokens a step scheduled) to the step under way."""
+        self._notes.update(fields)
+
+    def _timed(self) -> bool:
+        return self.skip - self.steps < self.seen <= self.skip
     def wrap(self, fn, *, step: bool):
         """``fn`` profiled while the window is open; ``step=True``: each call is one step (the
         window opens before the call that starts it and closes after the one that ends it)."""
@@ -75,13 +90,24 @@ class WindowProfile:
                 return fn(*args, **kwargs)
             if step:
                 self.seen += 1
+                self._notes = {}                  # what this step notes, from here on
                 if self.seen == self.skip + 1:
                     self._profile, self._t0 = cProfile.Profile(), self.clock()
                     self._cpu0 = time.thread_time()
                     self._gc.start()
             profile = self._profile
             if profile is None:
-                return fn(*args, **kwargs)
+                if not (step and self._timed()):
+                    return fn(*args, **kwargs)
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    end = time.perf_counter()
+                    if self._origin is None:
+                        self._origin = start
+                    self.timeline.append({"start_ms": round((start - self._origin) * 1e3, 3),
+                                          "ms": round((end - start) * 1e3, 3)} | self._notes)
             profile.enable()
             try:
                 return fn(*args, **kwargs)
@@ -102,6 +128,9 @@ class WindowProfile:
             return ""
         os.makedirs(os.path.dirname(os.path.abspath(self.path)) or ".", exist_ok=True)
         profile.dump_stats(f"{self.path}.prof")
+        with open(f"{self.path}.timeline.json", "w") as f:
+            json.dump({"label": self.label, "first_step": self.seen - self.steps - len(self.timeline) + 1,
+                       "rows": self.timeline}, f)
         out = io.StringIO()
         out.write(f"run: {self.label or '-'}\n{self.steps} steps after {self.skip}, {wall_s * 1e3:.1f} ms wall "
                   f"({wall_s * 1e6 / self.steps:.0f} us a step, profiled)\n")

@@ -47,6 +47,24 @@ def test_the_mode_with_extra_work_shows_it_as_the_top_difference(tmp_path, capsy
     assert "- per step, vattn: thread CPU " in out and "full collections); stock: thread CPU " in out
 
 
+def test_the_unprofiled_steps_are_timed_by_kind_side_by_side(tmp_path, capsys):
+    import json
+    from vattn.bench.loop import step_kinds
+    for folder, label, slow in (("a", "stock", 1.0), ("b", "vattn", 1.5)):
+        _window(tmp_path / folder / label, label, 0)
+        rows = [{"start_ms": i, "ms": (4.0 if i % 4 else 12.0 * slow), "new": 0 if i % 4 else 1} for i in range(8)]
+        (tmp_path / folder / f"{label}.timeline.json").write_text(json.dumps({"label": label, "rows": rows}))
+    kinds = step_kinds([load_window(str(tmp_path / "b" / "vattn.prof"))])
+    assert kinds["decode only"] == (6, 4.0, 4.0) and kinds["with new requests"] == (2, 18.0, 18.0)
+    assert main(["bench", "loop", "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| with new requests | 2, 12.00 / 12.00 | 2, 18.00 / 18.00 | 1.500 |" in out
+    assert "| decode only | 6, 4.00 / 4.00 | 6, 4.00 / 4.00 | 1.000 |" in out
+    (tmp_path / "b" / "vattn.timeline.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not a loop timeline"):
+        run_command(["bench", "loop", "--results", str(tmp_path)])
+
+
 def test_missing_windows_and_modes_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="no such folder"):
         run_command(["bench", "loop", "--results", str(tmp_path / "nope")])

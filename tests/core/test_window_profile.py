@@ -76,3 +76,22 @@ def test_no_variable_no_profile():
     assert from_env({"VATTN_ENGINE_PROFILE": ""}) is None
     with pytest.raises(ConfigError, match="empty"):
         WindowProfile("", skip=0, steps=1)
+
+
+def test_the_steps_before_the_window_are_timed_unprofiled_with_their_notes(tmp_path):
+    import json
+    profile = WindowProfile(str(tmp_path / "p"), skip=4, steps=2)
+
+    def step(i):
+        profile.note(tokens=10 * i, new=i % 2)
+        if i == 1:
+            profile.note(new=5)                # a later note of the same step wins
+        return i
+    wrapped = profile.wrap(step, step=True)
+    for i in range(7):
+        wrapped(i)
+    assert [r["tokens"] for r in profile.timeline] == [20, 30]          # steps 3 and 4 (1-based)
+    assert [r["new"] for r in profile.timeline] == [0, 1]
+    assert profile.timeline[0]["start_ms"] == 0.0 and all(r["ms"] >= 0 for r in profile.timeline)
+    saved = json.loads((tmp_path / "p.timeline.json").read_text())
+    assert saved["first_step"] == 3 and saved["rows"] == profile.timeline
