@@ -79,43 +79,49 @@ class WindowProfile:
         """Attach ``fields`` (JSON scalars, e.g. the tokens a step scheduled) to the step under way."""
         self._notes.update(fields)
 
-    def _timed(self) -> bool:
-        return self.skip - self.steps < self.seen <= self.skip
     def wrap(self, fn, *, step: bool):
-        """``fn`` profiled while the window is open; ``step=True``: each call is one step (the
-        window opens before the call that starts it and closes after the one that ends it)."""
+        """``fn`` timed before the window and profiled in it; ``step=True``: each call is one step
+        (the window opens before the call that starts it and closes after the one that ends it)."""
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             if self.done:
                 return fn(*args, **kwargs)
             if step:
-                self.seen += 1
-                self._notes = {}                  # what this step notes, from here on
-                if self.seen == self.skip + 1:
-                    self._profile, self._t0 = cProfile.Profile(), self.clock()
-                    self._cpu0 = time.thread_time()
-                    self._gc.start()
-            profile = self._profile
-            if profile is None:
-                if not (step and self._timed()):
-                    return fn(*args, **kwargs)
-                start = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    end = time.perf_counter()
-                    if self._origin is None:
-                        self._origin = start
-                    self.timeline.append({"start_ms": round((start - self._origin) * 1e3, 3),
-                                          "ms": round((end - start) * 1e3, 3)} | self._notes)
-            profile.enable()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                profile.disable()
-                if step and self.seen == self.skip + self.steps:
-                    self.write(self.clock() - self._t0, cpu_s=time.thread_time() - self._cpu0)
+                self._begin_step()
+            if self._profile is not None:
+                return self._profiled(fn, args, kwargs, step)
+            if step and self.skip - self.steps < self.seen <= self.skip:
+                return self._timed(fn, args, kwargs)
+            return fn(*args, **kwargs)
         return wrapper
+
+    def _begin_step(self) -> None:
+        self.seen += 1
+        self._notes = {}                          # what this step notes, from here on
+        if self.seen == self.skip + 1:
+            self._profile, self._t0 = cProfile.Profile(), self.clock()
+            self._cpu0 = time.thread_time()
+            self._gc.start()
+
+    def _timed(self, fn, args, kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            end = time.perf_counter()
+            if self._origin is None:
+                self._origin = start
+            self.timeline.append({"start_ms": round((start - self._origin) * 1e3, 3),
+                                  "ms": round((end - start) * 1e3, 3)} | self._notes)
+
+    def _profiled(self, fn, args, kwargs, step: bool):
+        self._profile.enable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._profile.disable()
+            if step and self.seen == self.skip + self.steps:
+                self.write(self.clock() - self._t0, cpu_s=time.thread_time() - self._cpu0)
 
     def write(self, wall_s: float, *, cpu_s: float | None = None) -> str:
         """Write ``PATH.prof`` and ``PATH.txt`` now and stop profiling; returns the text.
