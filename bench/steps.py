@@ -148,7 +148,26 @@ def summarize(rows: list[dict]) -> dict:
             # host-bound engine finds it idle at almost every step
             "busy_starts": sum(1 for r in rows if r.get("busy")),
             "busy_known": sum(1 for r in rows if r.get("busy") is not None),
+            "period_ms": step_periods(rows),
             "deferred": sum(r["calls"].get("calls_deferred", 0) for r in rows)}
+
+
+#: a longer time from one section to the next is the engine idle (no request), not a step
+IDLE_MS = 1000.0
+
+
+def step_periods(rows: list[dict]) -> dict:
+    """Mean ms from one section's start to the next's, for the steps whose section bound requests
+    (the step that admits a request, and its first growth) and for those that bound none:
+    ``{"binding": (steps, mean ms), "none": (steps, mean ms)}`` (a kind with no step is left out).
+    On a host-bound engine the period is the step's whole cost, wherever it went. A period over
+    :data:`IDLE_MS` is the engine waiting for requests, not a step, and is left out."""
+    kinds: dict[str, list[float]] = {"binding": [], "none": []}
+    for a, b in zip(rows, rows[1:]):
+        ms = (b["t0"] - a["t0"]) * 1e3
+        if ms <= IDLE_MS:
+            kinds["binding" if a.get("binds", 0) else "none"].append(ms)
+    return {k: (len(v), round(sum(v) / len(v), 3)) for k, v in kinds.items() if v}
 
 
 def _report(mode: str, trace: dict, walls, top: int) -> str:
@@ -166,7 +185,9 @@ def _report(mode: str, trace: dict, walls, top: int) -> str:
                      + f"; per step host p50 {s['host_p50_us']:.0f} µs / p99 {s['host_p99_us']:.0f} µs, "
                        f"{s['waited_steps']} steps off the CPU ≥ 1 ms ({s['waited_ms']:.1f} ms)"
                      + (f"; {s['busy_starts']} of {s['busy_known']} sections began with the device "
-                        f"still busy" if s["busy_known"] else ""))
+                        f"still busy" if s["busy_known"] else "")
+                     + "".join(f"; steps that bound {'requests' if k == 'binding' else 'none'}: {n}, "
+                               f"{ms:.2f} ms from one section to the next" for k, (n, ms) in s["period_ms"].items()))
         if name == "before":
             continue
         worst = sorted(rows, key=lambda r: -(r["idle_us"] or 0.0))[:top]

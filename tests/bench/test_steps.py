@@ -113,3 +113,12 @@ def test_summary_counts_the_sections_that_began_with_the_device_still_busy():
             del row["busy"]
     s = steps.summarize(rows)
     assert (s["busy_starts"], s["busy_known"]) == (2, 4)
+
+
+def test_step_periods_split_the_steps_that_bound_requests_from_the_others():
+    rows = [{"t0": t, "binds": b} for t, b in [(0.000, 0), (0.005, 1), (0.025, 0), (0.030, 0), (0.036, 2),
+                                                (0.060, 0), (5.0, 0)]]                # then idle 4.9 s
+    periods = steps.step_periods(rows)
+    assert periods["binding"][0] == 2 and periods["binding"][1] == pytest.approx(22.0)
+    assert periods["none"][0] == 3 and periods["none"][1] == pytest.approx(16 / 3, abs=1e-3)   # not the idle 4.9 s
+    assert steps.step_periods(rows[:1]) == {}
