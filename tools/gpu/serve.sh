@@ -96,5 +96,8 @@ for shape in ${VATTN_SHAPES:-llama-1b-shape llama3-8b-shape}; do
     --profile-steps "${VATTN_PROFILE_STEPS:-0}" --profile-delay "${VATTN_PROFILE_DELAY:-$delay}" \
     --out "$R/$shape" -- ${VATTN_SERVE_ARGS:-}
 done
+if [ -d "$R/loop" ]; then   # the loop windows side by side (stock is the base)
+  python3 -m vattn bench loop --results "$R/loop" --top 15 2>&1 | tee "$R/loop/report.md" | head -60 >> "$SUM"
+fi
 echo "== total $(( $(date +%s) - START )) s" | tee -a "$SUM"
 pack
