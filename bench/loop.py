@@ -1,10 +1,11 @@
 """``vattn bench loop``: two engines' profiled loop windows side by side, per step and function.
 
-A server run with ``VATTN_ENGINE_PROFILE`` (``tools/gpu/serve.sh`` with
-``VATTN_ENGINE_PROFILE=1``) leaves, per engine, ``<pid>.prof`` and ``<pid>.txt``
+A server run with ``VATTN_ENGINE_PROFILE`` (``tools/gpu/serve.sh`` with ``VATTN_LOOP_PROFILE=1``)
+leaves, per engine, ``<pid>.prof``, ``<pid>.json`` and ``<pid>.txt``
 (:mod:`vattn.core.window_profile`): a ``cProfile`` of the same window of steps of the engine's
-loop, labelled with the run's mode. This command finds them under the results folders, averages
-the runs of each mode, and lists the functions whose own time per step differs most between the
+loop, labelled with the run's mode, and the unprofiled steps before it. This command finds them
+under the results folders, averages the runs of each mode, times the steps before the window by
+kind side by side, and lists the functions whose own time per step differs most between the
 base mode (``stock``) and each other mode: where a slower engine's steps go. Times are those of
 profiled code (every Python call is counted, which slows Python down); compare them with each
 other, not with an unprofiled step.
@@ -16,54 +17,38 @@ import glob
 import json
 import os
 import pstats
-import re
 import statistics
 
 from vattn.core.errors import ConfigError
 
 __all__ = ["add_arguments", "run", "load_window", "per_step", "compare"]
 
-_HEAD = re.compile(r"run: (?P<run>\S+)\n(?P<steps>\d+) steps after (?P<skip>\d+), (?P<wall>[\d.]+) ms wall")
-_CPU = re.compile(r"^thread CPU (?P<cpu>[\d.]+) ms", re.M)
-_GC = re.compile(r"^gc: (?P<n0>\d+)/(?P<n1>\d+)/(?P<n2>\d+) collections .*?, (?P<ms>[\d.]+) ms", re.M)
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("--results", action="append", required=True,
-                        help="a results folder holding the windows' .prof/.txt pairs (repeatable)")
+                        help="a results folder holding the windows' .prof/.json pairs (repeatable)")
     parser.add_argument("--base", default="stock", help="the mode the others are compared with")
     parser.add_argument("--top", type=int, default=25, help="functions listed per mode")
 
 
 def load_window(prof_path: str) -> dict:
-    """``{run, steps, skip, wall_ms, stats}`` of one window (``PATH.prof`` beside ``PATH.txt``)."""
-    txt = prof_path[:-len(".prof")] + ".txt"
+    """One window: its summary (``PATH.json``: label, skip, steps, wall / CPU / gc ms, the
+    unprofiled timeline before it) with the profile's ``stats`` (``PATH.prof``)."""
+    path = prof_path[:-len(".prof")] + ".json"
     try:
-        with open(txt) as f:
-            text = f.read(600)
-        head = _HEAD.match(text)
+        with open(path) as f:
+            window = json.load(f)
+        window = {"run": window["label"] or "-", "steps": int(window["steps"]), "skip": int(window["skip"]),
+                  "wall_ms": float(window["wall_ms"]), "cpu_ms": window.get("cpu_ms"),
+                  "gc": window.get("gc"), "timeline": list(window.get("timeline") or ())}
     except OSError as exc:
-        raise ConfigError(f"--results: {prof_path!r} has no readable window summary {txt!r} ({exc})") from exc
-    if head is None:
-        raise ConfigError(f"--results: expected a window summary ('run: NAME' then 'N steps after K, "
-                          f"W ms wall') in {txt!r}")
+        raise ConfigError(f"--results: {prof_path!r} has no readable window summary {path!r} ({exc})") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--results: {path!r} is not a loop window summary ({type(exc).__name__})") from exc
     try:
-        stats = pstats.Stats(prof_path).stats
+        window["stats"] = pstats.Stats(prof_path).stats
     except Exception as exc:  # noqa: BLE001 - marshal/EOF errors of a truncated or foreign file
         raise ConfigError(f"--results: {prof_path!r} is not a readable profile ({type(exc).__name__})") from exc
-    cpu, collected = _CPU.search(text), _GC.search(text)
-    timeline = []
-    path = prof_path[:-len(".prof")] + ".timeline.json"
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                timeline = json.load(f)["rows"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"--results: {path!r} is not a loop timeline ({type(exc).__name__})") from exc
-    return {"timeline": timeline, "run": head["run"], "steps": int(head["steps"]), "skip": int(head["skip"]),
-            "wall_ms": float(head["wall"]), "stats": stats,
-            "cpu_ms": float(cpu["cpu"]) if cpu else None,
-            "gc": (tuple(int(collected[k]) for k in ("n0", "n1", "n2")), float(collected["ms"])) if collected else None}
+    return window
 
 
 def step_kinds(windows: list[dict]) -> dict:
@@ -82,11 +67,11 @@ def _extras(windows: list[dict]) -> str:
     cpu = [w["cpu_ms"] * 1e3 / w["steps"] for w in windows if w.get("cpu_ms") is not None]
     if cpu:
         parts.append(f"thread CPU {sum(cpu) / len(cpu):.0f} µs")
-    collected = [w["gc"] for w in windows if w.get("gc")]
+    collected = [w for w in windows if w.get("gc")]
     if collected:
-        steps = sum(w["steps"] for w in windows if w.get("gc"))
-        gen2 = sum(counts[2] for counts, _ in collected)
-        parts.append(f"gc {1e3 * sum(ms for _, ms in collected) / steps:.1f} µs ({gen2} full collections)")
+        steps = sum(w["steps"] for w in collected)
+        gen2 = sum(w["gc"]["collections"][2] for w in collected)
+        parts.append(f"gc {1e3 * sum(w['gc']['ms'] for w in collected) / steps:.1f} µs ({gen2} full collections)")
     return ", ".join(parts) or "no CPU / gc lines"
 
 

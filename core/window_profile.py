@@ -7,10 +7,11 @@ steps (the thread that runs them only) and then writes ``PATH.prof`` (read with 
 ``PATH.txt`` (the steps, their wall time, the thread's CPU time over them — a thread that waits
 for the GIL or a lock spends wall time without CPU — the garbage collector's collections and
 time in the window, the functions with the most own time and the most time under them), and
-``PATH.timeline.json``: the ``steps`` steps just before the window, unprofiled, each with its
-wall time and what the adapter noted of it (:meth:`WindowProfile.note`: e.g. the tokens and new
-requests it scheduled), so steps of each kind can be timed on a stock and a vattn engine alike. The same wrapper on a stock engine and on a vattn engine shows which
-functions the difference per step is in. Profiling slows Python code down (each call is
+``PATH.json``: the same numbers for a program to read, and the ``steps`` steps just before the
+window, unprofiled, each with its wall time and what the adapter noted of it
+(:meth:`WindowProfile.note`: e.g. the tokens and new requests it scheduled), so steps of each
+kind can be timed on a stock and a vattn engine alike. The same wrapper on a stock engine and on
+a vattn engine shows which functions the difference per step is in. Profiling slows Python code down (each call is
 counted), so a window's step time is not the engine's; the two engines' windows compare with
 each other.
 
@@ -124,7 +125,7 @@ class WindowProfile:
                 self.write(self.clock() - self._t0, cpu_s=time.thread_time() - self._cpu0)
 
     def write(self, wall_s: float, *, cpu_s: float | None = None) -> str:
-        """Write ``PATH.prof`` and ``PATH.txt`` now and stop profiling; returns the text.
+        """Write ``PATH.prof``, ``PATH.json`` and ``PATH.txt`` now and stop profiling; returns the text.
         ``cpu_s``: the thread's CPU time over the window (wall well above it: the thread waited
         — for the GIL, a lock, the device)."""
         self.done = True
@@ -134,9 +135,13 @@ class WindowProfile:
             return ""
         os.makedirs(os.path.dirname(os.path.abspath(self.path)) or ".", exist_ok=True)
         profile.dump_stats(f"{self.path}.prof")
-        with open(f"{self.path}.timeline.json", "w") as f:
-            json.dump({"label": self.label, "first_step": self.seen - self.steps - len(self.timeline) + 1,
-                       "rows": self.timeline}, f)
+        summary = {"label": self.label, "skip": self.skip, "steps": self.steps, "wall_ms": wall_s * 1e3,
+                   "cpu_ms": None if cpu_s is None else cpu_s * 1e3,
+                   "gc": {"collections": list(self._gc.counts), "ms": self._gc.seconds * 1e3},
+                   "timeline_first_step": self.seen - self.steps - len(self.timeline) + 1,
+                   "timeline": self.timeline}
+        with open(f"{self.path}.json", "w") as f:
+            json.dump(summary, f)
         out = io.StringIO()
         out.write(f"run: {self.label or '-'}\n{self.steps} steps after {self.skip}, {wall_s * 1e3:.1f} ms wall "
                   f"({wall_s * 1e6 / self.steps:.0f} us a step, profiled)\n")

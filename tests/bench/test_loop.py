@@ -53,15 +53,16 @@ def test_the_unprofiled_steps_are_timed_by_kind_side_by_side(tmp_path, capsys):
     for folder, label, slow in (("a", "stock", 1.0), ("b", "vattn", 1.5)):
         _window(tmp_path / folder / label, label, 0)
         rows = [{"start_ms": i, "ms": (4.0 if i % 4 else 12.0 * slow), "new": 0 if i % 4 else 1} for i in range(8)]
-        (tmp_path / folder / f"{label}.timeline.json").write_text(json.dumps({"label": label, "rows": rows}))
+        summary = tmp_path / folder / f"{label}.json"
+        summary.write_text(json.dumps(json.loads(summary.read_text()) | {"timeline": rows}))
     kinds = step_kinds([load_window(str(tmp_path / "b" / "vattn.prof"))])
     assert kinds["decode only"] == (6, 4.0, 4.0) and kinds["with new requests"] == (2, 18.0, 18.0)
     assert main(["bench", "loop", "--results", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| with new requests | 2, 12.00 / 12.00 | 2, 18.00 / 18.00 | 1.500 |" in out
     assert "| decode only | 6, 4.00 / 4.00 | 6, 4.00 / 4.00 | 1.000 |" in out
-    (tmp_path / "b" / "vattn.timeline.json").write_text("[1, 2]")
-    with pytest.raises(ConfigError, match="not a loop timeline"):
+    (tmp_path / "b" / "vattn.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not a loop window summary"):
         run_command(["bench", "loop", "--results", str(tmp_path)])
 
 
@@ -74,6 +75,6 @@ def test_missing_windows_and_modes_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="--base 'stock': no window of that mode; found vattn"):
         run_command(["bench", "loop", "--results", str(tmp_path)])
     (tmp_path / "y.prof").write_bytes(b"junk")
-    (tmp_path / "y.txt").write_text("run: stock\n4 steps after 1, 2.0 ms wall\n")
+    (tmp_path / "y.json").write_text('{"label": "stock", "skip": 1, "steps": 4, "wall_ms": 2.0}')
     with pytest.raises(ConfigError, match="not a readable profile"):
         run_command(["bench", "loop", "--results", str(tmp_path)])

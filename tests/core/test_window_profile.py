@@ -1,4 +1,4 @@
-"""``WindowProfile``: cProfile over a window of an engine loop's steps, written as .prof + .txt."""
+"""``WindowProfile``: cProfile over a window of an engine loop's steps, written as .prof + .json + .txt."""
 
 import gc
 import pstats
@@ -49,6 +49,10 @@ def test_the_window_profiles_exactly_its_steps_then_writes_both_files(tmp_path):
     assert lines[2].startswith("thread CPU ") and "% of the wall)" in lines[2]
     gens = lines[3].split()[1].split("/")
     assert lines[3].startswith("gc: ") and int(gens[2]) >= 2          # the two in the window, at least
+    import json
+    summary = json.loads(next(tmp_path.glob("p-*.json")).read_text())
+    assert (summary["label"], summary["steps"], summary["wall_ms"]) == ("stock", 2, 1000.0)
+    assert summary["gc"]["collections"][2] == int(gens[2]) and summary["timeline"] == profile.timeline
     before = list(gc.callbacks)
     gc.collect()
     assert gc.callbacks == before and not any("_GcTimer" in repr(c) for c in gc.callbacks)   # removed
@@ -93,5 +97,7 @@ def test_the_steps_before_the_window_are_timed_unprofiled_with_their_notes(tmp_p
     assert [r["tokens"] for r in profile.timeline] == [20, 30]          # steps 3 and 4 (1-based)
     assert [r["new"] for r in profile.timeline] == [0, 1]
     assert profile.timeline[0]["start_ms"] == 0.0 and all(r["ms"] >= 0 for r in profile.timeline)
-    saved = json.loads((tmp_path / "p.timeline.json").read_text())
-    assert saved["first_step"] == 3 and saved["rows"] == profile.timeline
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["timeline_first_step"] == 3 and saved["timeline"] == profile.timeline
+    assert (saved["label"], saved["skip"], saved["steps"]) == ("", 4, 2)
+    assert len(saved["gc"]["collections"]) == 3 and saved["wall_ms"] >= 0 and saved["cpu_ms"] >= 0

@@ -34,8 +34,8 @@
 #                     their numbers come back)
 #   VATTN_LOOP_PROFILE=1  vLLM: every server (stock too) profiles a window of its engine-core loop
 #                     (cProfile; VATTN_ENGINE_PROFILE_STEPS=SKIP:STEPS, default 2000:500 at the 1B
-#                     shape, 600:200 at 8B) into loop/<pid>.prof + .txt in the results; compare the
-#                     modes with `vattn bench loop --results DIR`
+#                     shape, 600:200 at 8B) into loop/<shape>/<pid>.prof, .json, .txt in the
+#                     results; `vattn bench loop` on each shape's folder goes into the summary
 #   VATTN_BUDGET_S    wall budget of the script (default 530 s, < 9 min): a shape is skipped when
 #                     less than 150 s are left, and `vattn bench serve --budget-s` skips the rounds
 #                     that would not fit (estimated from the slowest run so far); both say so.
@@ -53,7 +53,6 @@ ENGINE=${VATTN_ENGINE:-vllm}
 use_engine "$ENGINE" || exit 2
 export VATTN_MODELS=${VATTN_MODELS:-$W/models}   # config-only models (a few kB each)
 [ "${VATTN_TRACE_STEPS:-0}" = 1 ] && export VATTN_STEP_TRACE="$R/steps/{pid}.json"
-[ "${VATTN_LOOP_PROFILE:-0}" = 1 ] && export VATTN_ENGINE_PROFILE="$R/loop/{pid}"
 LOOP_STEPS=${VATTN_ENGINE_PROFILE_STEPS:-}
 
 pack() {
@@ -81,7 +80,9 @@ for shape in ${VATTN_SHAPES:-llama-1b-shape llama3-8b-shape}; do
     llama3-8b-shape) rate=${VATTN_RATE_8B:-16}; prompts=${VATTN_PROMPTS_8B:-320}; delay=600; loop=600:200 ;;
     *)               rate=${VATTN_RATE_1B:-40}; prompts=${VATTN_PROMPTS_1B:-800}; delay=2000; loop=2000:500 ;;
   esac
-  export VATTN_ENGINE_PROFILE_STEPS=${LOOP_STEPS:-$loop}
+  if [ "${VATTN_LOOP_PROFILE:-0}" = 1 ]; then   # one folder per shape: bench loop averages a mode's windows
+    export VATTN_ENGINE_PROFILE="$R/loop/$shape/{pid}" VATTN_ENGINE_PROFILE_STEPS=${LOOP_STEPS:-$loop}
+  fi
   if [ "$DATASET" = shared-prefix ]; then   # a multiple of the prefixes: the same prompts per prefix
     n=${VATTN_NUM_PREFIXES:-8}; prompts=$(( (prompts + n - 1) / n * n ))
   fi
@@ -95,9 +96,11 @@ for shape in ${VATTN_SHAPES:-llama-1b-shape llama3-8b-shape}; do
     $([ "${VATTN_LIKE_FOR_LIKE:-0}" = 1 ] && echo --like-for-like) \
     --profile-steps "${VATTN_PROFILE_STEPS:-0}" --profile-delay "${VATTN_PROFILE_DELAY:-$delay}" \
     --out "$R/$shape" -- ${VATTN_SERVE_ARGS:-}
+  if [ -d "$R/loop/$shape" ]; then   # this shape's loop windows side by side (stock is the base)
+    { echo "== loop profile, $shape"
+      python3 -m vattn bench loop --results "$R/loop/$shape" --top 15 2>&1 | tee "$R/loop/$shape/report.md" | head -60
+    } >> "$SUM"
+  fi
 done
-if [ -d "$R/loop" ]; then   # the loop windows side by side (stock is the base)
-  python3 -m vattn bench loop --results "$R/loop" --top 15 2>&1 | tee "$R/loop/report.md" | head -60 >> "$SUM"
-fi
 echo "== total $(( $(date +%s) - START )) s" | tee -a "$SUM"
 pack

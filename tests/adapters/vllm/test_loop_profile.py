@@ -50,8 +50,8 @@ def test_vllms_step_runs_in_the_window_and_the_profile_is_written(restore, tmp_p
     for _ in range(6):
         assert EngineCoreProc._process_engine_step(core) is True     # vLLM's own method, wrapped
     assert executed == [True] * 6 and core.output_queue.qsize() == 6
-    timeline = json.loads(next(tmp_path.glob("engine-*.timeline.json")).read_text())
-    assert [(r["tokens"], r["new"], r["reqs"]) for r in timeline["rows"]] == [(552, 1, 41), (40, 0, 40)]
+    timeline = json.loads(next(tmp_path.glob("engine-*.json")).read_text())["timeline"]
+    assert [(r["tokens"], r["new"], r["reqs"]) for r in timeline] == [(552, 1, 41), (40, 0, 40)]
     text = next(tmp_path.glob("engine-*.txt")).read_text()
     assert text.startswith("run: -\n3 steps after 2,") and "_process_engine_step" in text
     assert next(tmp_path.glob("engine-*.prof")).stat().st_size > 0
