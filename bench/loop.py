@@ -17,11 +17,17 @@ import glob
 import json
 import os
 import pstats
+import re
 import statistics
 
 from vattn.core.errors import ConfigError
 
-__all__ = ["add_arguments", "run", "load_window", "per_step", "compare"]
+__all__ = ["add_arguments", "run", "load_window", "per_step", "compare", "driver_calls"]
+
+#: the driver's calls a step makes, by method (``core/driver``): the VMM calls, then the copies
+VMM_CALLS = ("map", "unmap", "set_access")
+COPY_CALLS = ("copy_many", "copy", "copy_from_host", "zero")
+_DRIVER = re.compile(r"driver/(?:cuda|cuda_direct|host)\.py:\d+\((\w+)\)$")
 
 def add_arguments(parser) -> None:
     parser.add_argument("--results", action="append", required=True,
@@ -111,6 +117,37 @@ def compare(base: dict, other: dict, top: int) -> list[tuple]:
     return rows[:top]
 
 
+def driver_calls(steps: dict) -> dict:
+    """``{method: (calls, µs)}`` per step of the driver's VMM calls and copies in a mode's
+    :func:`per_step` table (the time of each call, which ``cProfile`` barely inflates: one C call
+    each); methods the windows never called are left out."""
+    out: dict[str, list[float]] = {}
+    for name, (_own, cum, calls) in steps.items():
+        m = _DRIVER.search(name)
+        if m and m.group(1) in VMM_CALLS + COPY_CALLS:
+            acc = out.setdefault(m.group(1), [0.0, 0.0])
+            acc[0] += calls
+            acc[1] += cum
+    return {k: tuple(out[k]) for k in VMM_CALLS + COPY_CALLS if k in out}
+
+
+def _driver_table(mode: str, calls: dict, step_ms: float | None) -> None:
+    """The table of :func:`driver_calls`, each call's share of the mean unprofiled step."""
+    if not calls:
+        return
+    where = f"of the mean unprofiled step ({step_ms:.2f} ms)" if step_ms else "of the profiled step"
+    print(f"| {mode}'s driver call | calls/step | µs/call | µs/step | share {where} |")
+    print("|---|---|---|---|---|")
+    for kinds, label in ((VMM_CALLS, "VMM calls"), (COPY_CALLS, "copies")):
+        rows = [(k, *calls[k]) for k in kinds if k in calls]
+        for k, n, us in rows:
+            print(f"| `{k}` | {n:.2f} | {us / n if n else 0:.1f} | {us:.1f} | {100 * us / (step_ms * 1e3):.1f} % |")
+        if rows:
+            n, us = sum(r[1] for r in rows), sum(r[2] for r in rows)
+            print(f"| **{label}** | {n:.2f} | | {us:.1f} | **{100 * us / (step_ms * 1e3):.1f} %** |")
+    print()
+
+
 def run(args) -> int:
     paths = []
     for folder in args.results:
@@ -142,6 +179,8 @@ def run(args) -> int:
                     (nb, mb, pb), (no, mo, po) = kinds_b[kind], kinds_o[kind]
                     print(f"| {kind} | {nb}, {mb:.2f} / {pb:.2f} | {no}, {mo:.2f} / {po:.2f} | {mo / mb:.3f} |")
             print()
+        all_o = kinds_o.get("all")
+        _driver_table(mode, driver_calls(other), all_o[1] if all_o else o / 1e3)
         print(f"| function | {args.base} own µs/step | {mode} own µs/step | difference | "
               f"calls/step {args.base} | calls/step {mode} |")
         print("|---|---|---|---|---|---|")

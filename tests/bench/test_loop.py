@@ -78,3 +78,36 @@ def test_missing_windows_and_modes_are_refused(tmp_path):
     (tmp_path / "y.json").write_text('{"label": "stock", "skip": 1, "steps": 4, "wall_ms": 2.0}')
     with pytest.raises(ConfigError, match="not a readable profile"):
         run_command(["bench", "loop", "--results", str(tmp_path)])
+
+
+def test_the_driver_calls_of_a_window_are_counted_per_step_with_their_share(tmp_path, capsys):
+    """A mode whose steps remap one page (unmap, map, set access) and copy once: the table
+    counts those calls per step, by method, and sums the VMM calls apart from the copies."""
+    from vattn.bench.loop import driver_calls
+    from vattn.core.driver.host import HostDriver
+    drv = HostDriver(granularity=4096)
+    va, pages = drv.reserve(2 * 4096), [drv.create(4096), drv.create(4096)]
+    drv.map(va, 4096, pages[0])
+    drv.set_access(va, 4096)
+    turn = [0]
+
+    def remap():
+        drv.unmap(va, 4096)
+        turn[0] ^= 1
+        drv.map(va, 4096, pages[turn[0]])
+        drv.set_access(va, 4096)
+        drv.copy(va + 64, va, 64)
+    _window(tmp_path / "stock", "stock", 0)
+    profile = WindowProfile(str(tmp_path / "vattn"), skip=1, steps=4, label="vattn")
+    wrapped = profile.wrap(remap, step=True)
+    for _ in range(6):
+        wrapped()
+    calls = driver_calls(per_step([load_window(str(tmp_path / "vattn.prof"))]))
+    assert list(calls) == ["map", "unmap", "set_access", "copy"]
+    assert all(n == pytest.approx(1.0) and us > 0 for n, us in calls.values())
+    assert driver_calls(per_step([load_window(str(tmp_path / "stock.prof"))])) == {}
+    assert main(["bench", "loop", "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| vattn's driver call | calls/step | µs/call | µs/step | share of the mean unprofiled step (" in out
+    assert "| `unmap` | 1.00 |" in out and "| **VMM calls** | 3.00 |" in out and "| **copies** | 1.00 |" in out
+    drv.close()
