@@ -114,7 +114,8 @@ def markdown(rows: list[dict], *, title: str = "vattn bench serve", notes: list[
 
 
 #: (key in a row's ``["vattn"]["vmm_critical_path"]``, label) of the per-run vattn table
-VATTN_COLUMNS = (("step_mean_us", "µs per step call (mean)"), ("step_p99_us", "p99"),
+VATTN_COLUMNS = (("steps", "engine steps"), ("host_us_per_step", "host µs a step (all calls)"),
+                 ("step_mean_us", "µs per step call (mean)"), ("step_p99_us", "p99"),
                  ("fence_waits", "fence waits"), ("pages_retired", "pages retired"), ("map_calls", "map calls"),
                  ("unmap_calls", "unmap calls"), ("page_sets_moved", "page-sets moved"),
                  ("prefix_hits", "prefix hits"), ("device_reads", "device reads"))

@@ -377,14 +377,16 @@ def test_vattn_counters_come_from_the_newest_snapshot_and_show_in_the_report(tmp
     """A vattn run's row carries its server's last ``VATTN_METRICS`` snapshot (one file per
     worker process: the newest wins); a run without one says so instead of showing zeros."""
     snap = {"apply_step_us": {"count": 10, "mean_us": 50.0, "p99_us": 90.0},
-            "on_blocks_us": {"count": 4, "mean_us": 25.0}, "fence_waits": 3, "pages_retired": 7, "map_calls": 16,
+            "on_blocks_us": {"count": 4, "mean_us": 25.0}, "issue_us": {"count": 2, "mean_us": 100.0},
+            "steps": 10, "fence_waits": 3, "pages_retired": 7, "map_calls": 16,
             "unmap_calls": 8, "page_sets_moved": 2, "prefix_hits": 5, "layout": {"worst_waste_bytes": 2 << 20}}
     (tmp_path / "vattn_metrics_11.json").write_text(json.dumps({"time": 1.0, "fence_waits": 99}))
     (tmp_path / "vattn_metrics_12.json").write_text(json.dumps({"time": 2.0, **snap}))
     got = serve.vattn_counters(str(tmp_path), "vllm")
     path = got["vmm_critical_path"]
     assert got["worst_waste_MiB_per_request"] == 2.0
-    assert path["fence_waits"] == 3 and path["host_ms"] == {"apply": 0.5, "on_blocks": 0.1}
+    assert path["fence_waits"] == 3 and path["host_ms"] == {"apply": 0.5, "on_blocks": 0.1, "issue": 0.2}
+    assert path["steps"] == 10 and path["host_us_per_step"] == 80.0     # (0.5 + 0.1 + 0.2) ms / 10
     assert path["step_mean_us"] == 50.0 and path["step_p99_us"] == 90.0
     empty = tmp_path / "none"
     empty.mkdir()
@@ -393,7 +395,7 @@ def test_vattn_counters_come_from_the_newest_snapshot_and_show_in_the_report(tmp
             {**_row(2, "vattn", 1.1), "round": 2, "vattn": {"vattn_metrics_error": "none written"}}]
     text = serve_report.markdown(rows, title="t")
     line = next(l for l in text.splitlines() if l.startswith("| 1 | apply"))
-    assert line == "| 1 | apply 0.5, on_blocks 0.1 | 50 | 90 | 3 | 7 | 16 | 8 | 2 | 5 | – |", line
+    assert line == "| 1 | apply 0.5, on_blocks 0.1, issue 0.2 | 10 | 80 | 50 | 90 | 3 | 7 | 16 | 8 | 2 | 5 | – |", line
     assert "| 2 | none written |" in text
 
 

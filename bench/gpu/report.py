@@ -52,8 +52,11 @@ def pool_engines(rows: dict) -> dict:
 
 
 #: per engine, vattn's calls on a step's critical path: summary name -> metrics histogram
-#: (vLLM's runtime: ``apply`` per step, ``on_blocks`` per block-table update; SGLang's allocator)
-HOST_CALLS = {"vllm": {"apply": "apply_step_us", "on_blocks": "on_blocks_us"},
+#: (vLLM's runtime: ``apply`` per step, ``on_blocks`` per block-table update, ``issue`` the VMM
+#: calls deferred to the forward, made as it reaches each range — those a window left unmade
+#: are made when the next one opens, inside ``apply``: rare, every forward reaches every range;
+#: SGLang's allocator)
+HOST_CALLS = {"vllm": {"apply": "apply_step_us", "on_blocks": "on_blocks_us", "issue": "issue_us"},
               "sglang": {"alloc_extend": "alloc_extend_us", "alloc_decode": "alloc_decode_us",
                          "free": "free_us"}}
 #: time spent inside those calls, broken out (not added to them: ``apply`` runs ``ensure``)
@@ -77,7 +80,11 @@ def critical_path_summary(m: dict, engine: str) -> dict:
     :data:`HOST_CALLS`) and the core's page events, from the metrics of a vattn run."""
     def total_ms(h):
         return round((h or {}).get("mean_us", 0) * (h or {}).get("count", 0) / 1e3, 2)
-    return {"host_ms": {name: total_ms(m.get(key)) for name, key in HOST_CALLS[engine].items()},
+    host = {name: total_ms(m.get(key)) for name, key in HOST_CALLS[engine].items()}
+    steps = m.get("steps")
+    return {"host_ms": host, "steps": steps,
+            # all of them over the engine's steps: their share of a step, next to its length
+            "host_us_per_step": round(1e3 * sum(host.values()) / steps, 1) if steps else None,
             "inner_ms": {name: total_ms(m.get(key)) for name, key in _INNER_CALLS[engine].items()},
             "step_mean_us": (m.get(_STEP_CALL[engine]) or {}).get("mean_us"),
             "step_p99_us": (m.get(_STEP_CALL[engine]) or {}).get("p99_us"),

@@ -51,7 +51,7 @@ def test_throughput_report_has_the_three_columns(monkeypatch, tmp_path):
     assert rows["vattn"]["worst_waste_MiB_per_request"] == 16.0
     assert rows["ceiling"]["worst_waste_MiB_per_request"] == 255 * 0.125     # (65792 - 65537) tokens
     assert rows["stock"]["worst_waste_MiB_per_request"] == 15 * 0.125
-    assert rows["vattn"]["vmm_critical_path"]["host_ms"] == {"apply": 0.5, "on_blocks": 0.0}
+    assert rows["vattn"]["vmm_critical_path"]["host_ms"] == {"apply": 0.5, "on_blocks": 0.0, "issue": 0.0}
     assert rows["vattn"]["vmm_critical_path"]["inner_ms"]["ensure"] == 0.2
 
 
