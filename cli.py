@@ -33,6 +33,7 @@ _BENCHES = {
     "host": ("vattn.bench.host", "host time vattn's vLLM runtime adds per decode-heavy generation"),
     "engine": ("vattn.bench.engine", "end-to-end engine runs (stock / ceiling / vattn) into BENCHMARKS.md"),
     "serve": ("vattn.bench.serve", "the engine's own server + benchmark client, stock vs vattn, alternated"),
+    "serve-rounds": ("vattn.bench.serve_rounds", "the rounds of several `bench serve` runs pooled into one table"),
     "faults": ("vattn.bench.faults", "driver faults and a dry page pool inside a running vLLM engine"),
     "soak": ("vattn.bench.soak", "an engine server under mixed load with aborts: memory, fds, pages, audit"),
     "radix": ("vattn.bench.radix", "SGLang's radix cache driving vattn's pool: host time per forward (host backend)"),

@@ -39,7 +39,7 @@ from vattn.core.errors import ConfigError, UnsupportedError
 from .serve_clients import (DATASETS, ClientError, Workload, check_vllm_version, client_command,
                             parse_result, read_result, run_client)
 from .serve_engines import ENGINES, MODES, Server, free_port, mode_base, server_command
-from .serve_report import markdown, plot
+from .serve_report import markdown, plot, title_for
 
 __all__ = ["add_arguments", "add_server_arguments", "run", "order", "modes_of", "prepare_model", "run_rounds",
            "await_idle_snapshot",
@@ -387,11 +387,7 @@ def run(args: argparse.Namespace) -> int:
             "workload": workload.__dict__, "modes": list(modes), "rounds": args.rounds,
             "like_for_like": args.like_for_like,
             "engine_args": args.engine_args, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    w = workload
-    title = (f"{args.engine} {version} serve, {os.path.basename(model)}, {w.dataset} "
-             f"{w.input_len} in / {w.output_len} out"
-             + (f" (prefix {w.prefix_len} x {w.num_prefixes})" if w.dataset == "shared-prefix" else "")
-             + f", {w.num_prompts} prompts at {w.rate:g} req/s, {device}")
+    title = title_for(meta)
 
     def write(rows, notes):
         with open(os.path.join(args.out, "rows.json"), "w") as f:

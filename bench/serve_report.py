@@ -9,12 +9,13 @@ column and its ratio to stock of the same round.
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from .engine_profile import FAMILIES as PROFILE_FAMILIES
 from .serve_clients import METRICS
 
-__all__ = ["TABLE_METRICS", "LOWER_IS_BETTER", "modes_in", "summarize", "round_ratios", "markdown", "plot"]
+__all__ = ["TABLE_METRICS", "LOWER_IS_BETTER", "modes_in", "summarize", "round_ratios", "title_for", "markdown", "plot"]
 
 #: (key, label) of the table's rows, in order
 TABLE_METRICS = (
@@ -75,6 +76,15 @@ def _num(value: float) -> str:
     return f"{value:.3g}" if abs(value) < 100 else f"{value:.1f}"
 
 
+def title_for(meta: dict) -> str:
+    """The report's title for a run's ``meta`` (as ``bench serve`` writes it)."""
+    w = meta["workload"]
+    return (f"{meta['engine']} {meta['engine_version']} serve, {os.path.basename(meta['model'])}, "
+            f"{w['dataset']} {w['input_len']} in / {w['output_len']} out"
+            + (f" (prefix {w['prefix_len']} x {w['num_prefixes']})" if w["dataset"] == "shared-prefix" else "")
+            + f", {w['num_prompts']} prompts at {w['rate']:g} req/s, {meta['device']}")
+
+
 def markdown(rows: list[dict], *, title: str = "vattn bench serve", notes: list[str] | None = None) -> str:
     """The Markdown report: the medians table, each run's status, notes (skipped rounds, ...)."""
     modes = modes_in(rows)
@@ -82,8 +92,14 @@ def markdown(rows: list[dict], *, title: str = "vattn bench serve", notes: list[
     stats = summarize(rows, modes)
     lines = [f"### {title}", ""]
     ran = ", ".join(f"{m} {len(_ok(rows, m))}" for m in modes)
-    order = list(dict.fromkeys(r["mode"] for r in rows if r.get("round") == 1)) or modes
-    lines += [f"Rounds that ran: {ran} (order {', '.join(order)} per round, a fresh server per "
+    orders = {}
+    for r in rows:
+        orders.setdefault(r.get("round"), []).append(r["mode"])
+    if len({tuple(o) for o in orders.values()}) > 1:    # merged rounds of alternated calls
+        order = "; ".join(f"r{rnd}: {', '.join(o)}" for rnd, o in orders.items())
+    else:
+        order = f"{', '.join(orders.get(1) or modes)} per round"
+    lines += [f"Rounds that ran: {ran} (order {order}, a fresh server per "
               f"run). Ratio = mode / stock of the same round; ↑ higher is better, ↓ lower is "
               f"better.", "",
               "| metric | " + " | ".join(f"{m} median (min–max)" for m in modes) + " | "

@@ -476,3 +476,61 @@ def test_await_idle_snapshot_waits_for_one_newer_than_the_client_end(tmp_path):
     assert not serve.await_idle_snapshot(str(tmp_path), since=60.0, timeout_s=1.0, poll_s=0.25,
                                          clock=lambda: now["t"], sleep=sleep)
     assert len(sleeps) == 4
+
+
+# -- rounds of several runs ----------------------------------------------------------------------
+def _run_dir(path, rows, *, rate=30.0, version="0.26.0", model="/a/tmp1/llama-1b-shape"):
+    path.mkdir(parents=True)
+    meta = {"engine": "vllm", "engine_version": version, "device": "cuda", "model": model,
+            "workload": {"dataset": "shared-prefix", "num_prompts": 800, "input_len": 1024,
+                         "output_len": 256, "rate": rate, "prefix_len": 512, "num_prefixes": 8,
+                         "seed": 0, "warmups": 1},
+            "modes": ["stock", "vattn"], "rounds": 1, "like_for_like": False, "engine_args": [],
+            "date": "2026-12-08 00:47 UTC"}
+    (path / "rows.json").write_text(json.dumps({"meta": meta, "rows": rows, "notes": []}))
+
+
+def test_serve_rounds_pools_separate_runs_in_order_with_each_rounds_order(tmp_path, capsys):
+    """Three calls of one round each (the order alternated) become rounds 1-3 of one table: the
+    per-round ratios in call order, their median, and each round's order in the header; a
+    model folder that differs only in its temporary parent still pools."""
+    from vattn.cli import main
+    _run_dir(tmp_path / "a" / "llama-1b-shape", [_row(1, "stock"), _row(1, "vattn", 1.25)])
+    _run_dir(tmp_path / "b" / "llama-1b-shape", [_row(1, "vattn", 0.8), _row(1, "stock")],
+             model="/other/tmp2/llama-1b-shape")
+    _run_dir(tmp_path / "c", [_row(1, "stock"), _row(1, "vattn", 1.0)])
+    args = ["bench", "serve-rounds", "--out", str(tmp_path / "out")]
+    for name in "abc":
+        args += ["--results", str(tmp_path / name)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "(order r1: stock, vattn; r2: vattn, stock; r3: stock, vattn," in out
+    line = next(l for l in out.splitlines() if l.startswith("| TTFT p50"))
+    ratios = [c.strip() for c in line.split("|")[4:6]]
+    assert ratios[0].startswith("r1: ") and ", r2: " in ratios[0] and ", r3: 1.000" in ratios[0]
+    assert float(ratios[1]) == 1.0                       # the median of three per-round ratios
+    assert "- rounds" not in out and "- round 2: " in out
+    pooled = json.loads((tmp_path / "out" / "rows.json").read_text())["rows"]
+    assert [(r["round"], r["mode"]) for r in pooled] == [(1, "stock"), (1, "vattn"), (2, "vattn"),
+                                                          (2, "stock"), (3, "stock"), (3, "vattn")]
+
+
+def test_serve_rounds_refuses_runs_of_other_workloads_and_missing_results(tmp_path):
+    from vattn.bench import serve_rounds
+    from vattn.cli import run_command
+    _run_dir(tmp_path / "a", [_row(1, "stock"), _row(1, "vattn")])
+    _run_dir(tmp_path / "b", [_row(1, "stock"), _row(1, "vattn")], rate=40.0)
+    with pytest.raises(ConfigError, match=r"different configurations \(workload: .*'rate': 30.0.* vs .*'rate': 40.0"):
+        run_command(["bench", "serve-rounds", "--results", str(tmp_path / "a"), "--results", str(tmp_path / "b")])
+    _run_dir(tmp_path / "c", [_row(1, "stock")], version="0.32.0")
+    with pytest.raises(ConfigError, match="engine_version: '0.26.0' vs '0.32.0'"):
+        serve_rounds.merge(serve_rounds.load([str(tmp_path / "a"), str(tmp_path / "c")]))
+    with pytest.raises(ConfigError, match="no such folder"):
+        run_command(["bench", "serve-rounds", "--results", str(tmp_path / "nope")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no rows.json"):
+        run_command(["bench", "serve-rounds", "--results", str(tmp_path / "empty")])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "rows.json").write_text("[]")
+    with pytest.raises(ConfigError, match="is not a `bench serve` rows.json"):
+        run_command(["bench", "serve-rounds", "--results", str(tmp_path / "bad")])

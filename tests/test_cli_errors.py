@@ -107,7 +107,7 @@ def test_vmm_on_cuda_without_cuda_python(capsys, monkeypatch):
 # -- every command with wrong flags: (argv, a fragment of the line) ----------------------------------
 FLAG_CASES = [
     (["frob"], "vattn: error: argument command: invalid choice: 'frob'"),
-    (["bench"], "vattn bench: error: the following arguments are required: {vmm,attention,layout,host,engine,serve,faults,soak,radix,sched,loop,steps,aliasing}"),
+    (["bench"], "vattn bench: error: the following arguments are required: {vmm,attention,layout,host,engine,serve,serve-rounds,faults,soak,radix,sched,loop,steps,aliasing}"),
     (["info", "--bogus"], "vattn info: error: unrecognized arguments: --bogus (see vattn info --help)"),
     (["bench", "vmm", "--pages", "-5"], "vattn bench vmm: error: argument --pages: expected an int >= 1, got '-5'"),
     (["bench", "vmm", "--batches", "1,x"], "argument --batches: expected a comma-separated list of ints >= 1"),
