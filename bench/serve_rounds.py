@@ -44,10 +44,13 @@ def load(folders: list[str]) -> list[tuple[str, dict]]:
             try:
                 with open(path) as f:
                     data = json.load(f)
-                data["meta"]["workload"], data["rows"]   # noqa: B018 - the shape bench serve writes
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+            except (OSError, ValueError) as exc:
                 raise ConfigError(f"--results: {path!r} is not a `bench serve` rows.json "
                                   f"({type(exc).__name__}: {exc})") from exc
+            if not (isinstance(data, dict) and isinstance(data.get("meta"), dict)
+                    and isinstance(data["meta"].get("workload"), dict) and isinstance(data.get("rows"), list)):
+                raise ConfigError(f"--results: {path!r} is not a `bench serve` rows.json (expected "
+                                  f"{{meta: {{workload: ...}}, rows: [...]}}, got {type(data).__name__})")
             found.append((path, data))
     return found
 
@@ -88,6 +91,8 @@ def merge(runs: list[tuple[str, dict]]) -> tuple[list[dict], list[str]]:
 
 
 def run(args) -> int:
+    """Print (and with ``--out`` write) the pooled report; 0 when every pooled run completed its
+    requests and none failed, as ``bench serve``."""
     runs = load(args.results)
     rows, notes = merge(runs)
     text = markdown(rows, title=title_for(runs[0][1]["meta"]), notes=notes)
@@ -101,4 +106,5 @@ def run(args) -> int:
         png = plot(rows, os.path.join(args.out, "serve_plot.png"), title=title_for(runs[0][1]["meta"]))
         print(f"report: {os.path.join(args.out, 'report.md')}" + (f"; plot: {png}" if png else
                                                                   "; no plot (matplotlib missing)"))
-    return 0
+    ok = rows and all(not r.get("error") and r.get("completed") and not r.get("failed") for r in rows)
+    return 0 if ok else 1

@@ -534,3 +534,12 @@ def test_serve_rounds_refuses_runs_of_other_workloads_and_missing_results(tmp_pa
     (tmp_path / "bad" / "rows.json").write_text("[]")
     with pytest.raises(ConfigError, match="is not a `bench serve` rows.json"):
         run_command(["bench", "serve-rounds", "--results", str(tmp_path / "bad")])
+
+
+def test_serve_rounds_exits_non_zero_when_a_pooled_run_failed(tmp_path, capsys):
+    from vattn.cli import main
+    _run_dir(tmp_path / "a", [_row(1, "stock"), _row(1, "vattn")])
+    _run_dir(tmp_path / "b", [_row(1, "stock"), {**_row(1, "vattn"), "error": "ServerError: died"}])
+    assert main(["bench", "serve-rounds", "--results", str(tmp_path / "a")]) == 0
+    assert main(["bench", "serve-rounds", "--results", str(tmp_path / "a"), "--results", str(tmp_path / "b")]) == 1
+    assert "FAILED: ServerError: died" in capsys.readouterr().out

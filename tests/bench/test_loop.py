@@ -110,4 +110,9 @@ def test_the_driver_calls_of_a_window_are_counted_per_step_with_their_share(tmp_
     out = capsys.readouterr().out
     assert "| vattn's driver call | calls/step | µs/call | µs/step | share of the mean unprofiled step (" in out
     assert "| `unmap` | 1.00 |" in out and "| **VMM calls** | 3.00 |" in out and "| **copies** | 1.00 |" in out
+    import json                        # a window without its unprofiled steps: shares of the profiled one
+    summary = tmp_path / "vattn.json"
+    summary.write_text(json.dumps(json.loads(summary.read_text()) | {"timeline": []}))
+    assert main(["bench", "loop", "--results", str(tmp_path)]) == 0
+    assert "| µs/step | share of the mean profiled step (" in capsys.readouterr().out
     drv.close()
