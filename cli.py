@@ -1,4 +1,4 @@
-"""The ``vattn`` command: ``info``, ``bench {vmm,attention,layout,host,engine,serve,faults,soak,sched,loop,radix,aliasing}``, ``conformance``,
+"""The ``vattn`` command: ``info``, ``bench {vmm,attention,layout,host,engine,serve,serve-rounds,faults,soak,radix,sched,loop,steps,aliasing}``, ``conformance``,
 ``compare``.
 
 A bad input ends the command with one line on stderr (what was expected, what was given, what

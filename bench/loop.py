@@ -13,14 +13,14 @@ other, not with an unprofiled step.
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import pstats
 import re
 import statistics
 
 from vattn.core.errors import ConfigError
+
+from .report import results_files
 
 __all__ = ["add_arguments", "run", "load_window", "per_step", "compare", "driver_calls"]
 
@@ -150,13 +150,7 @@ def _driver_table(mode: str, calls: dict, step_ms: float, *, unprofiled: bool) -
 
 
 def run(args) -> int:
-    paths = []
-    for folder in args.results:
-        if not os.path.isdir(folder):
-            raise ConfigError(f"--results: no such folder {folder!r}")
-        paths += sorted(glob.glob(os.path.join(folder, "**", "*.prof"), recursive=True))
-    if not paths:
-        raise ConfigError(f"--results: no profiled loop window (*.prof) under {', '.join(args.results)}")
+    paths = results_files(args.results, "*.prof", "profiled loop window (*.prof)")
     by_run: dict[str, list[dict]] = {}
     for path in paths:
         window = load_window(path)

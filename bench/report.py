@@ -9,7 +9,30 @@ import re
 import sys
 from pathlib import Path
 
-__all__ = ["write_section", "environment", "environment_md", "upper_quantile"]
+__all__ = ["write_section", "environment", "environment_md", "upper_quantile", "results_files"]
+
+
+def results_files(folders, pattern: str, what: str) -> list[str]:
+    """The files matching ``pattern`` under each of ``folders`` (at any depth), in the folders'
+    order and sorted within each: what a ``--results`` option reads.
+
+    Raises
+    ------
+    ConfigError
+        A folder does not exist or holds no such file (``what`` names them in the message).
+    """
+    import glob  # noqa: PLC0415
+
+    from vattn.core.errors import ConfigError  # noqa: PLC0415
+    found = []
+    for folder in folders:
+        if not os.path.isdir(folder):
+            raise ConfigError(f"--results: no such folder {folder!r}")
+        paths = sorted(glob.glob(os.path.join(folder, "**", pattern), recursive=True))
+        if not paths:
+            raise ConfigError(f"--results: no {what} under {folder!r}")
+        found += paths
+    return found
 
 
 def upper_quantile(values, q: float) -> float:

@@ -10,12 +10,12 @@ spread, each round's order) with its plot.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
 from vattn.core.errors import ConfigError
 
+from .report import results_files
 from .serve_report import markdown, plot, title_for
 
 __all__ = ["add_arguments", "run", "load", "merge"]
@@ -34,24 +34,18 @@ def add_arguments(parser) -> None:
 def load(folders: list[str]) -> list[tuple[str, dict]]:
     """``(path, {meta, rows, notes})`` of every ``rows.json`` under ``folders``, in their order."""
     found = []
-    for folder in folders:
-        if not os.path.isdir(folder):
-            raise ConfigError(f"--results: no such folder {folder!r}")
-        paths = sorted(glob.glob(os.path.join(folder, "**", "rows.json"), recursive=True))
-        if not paths:
-            raise ConfigError(f"--results: no rows.json (a `vattn bench serve` run) under {folder!r}")
-        for path in paths:
-            try:
-                with open(path) as f:
-                    data = json.load(f)
-            except (OSError, ValueError) as exc:
-                raise ConfigError(f"--results: {path!r} is not a `bench serve` rows.json "
-                                  f"({type(exc).__name__}: {exc})") from exc
-            if not (isinstance(data, dict) and isinstance(data.get("meta"), dict)
-                    and isinstance(data["meta"].get("workload"), dict) and isinstance(data.get("rows"), list)):
-                raise ConfigError(f"--results: {path!r} is not a `bench serve` rows.json (expected "
-                                  f"{{meta: {{workload: ...}}, rows: [...]}}, got {type(data).__name__})")
-            found.append((path, data))
+    for path in results_files(folders, "rows.json", "rows.json (a `vattn bench serve` run)"):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--results: {path!r} is not a `bench serve` rows.json "
+                              f"({type(exc).__name__}: {exc})") from exc
+        if not (isinstance(data, dict) and isinstance(data.get("meta"), dict)
+                and isinstance(data["meta"].get("workload"), dict) and isinstance(data.get("rows"), list)):
+            raise ConfigError(f"--results: {path!r} is not a `bench serve` rows.json (expected "
+                              f"{{meta: {{workload: ...}}, rows: [...]}}, got {type(data).__name__})")
+        found.append((path, data))
     return found
 
 

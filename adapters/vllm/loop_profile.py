@@ -56,7 +56,8 @@ def _noting(schedule, profile):
     @functools.wraps(schedule)
     def wrapper(self, *args, **kwargs):
         out = schedule(self, *args, **kwargs)
-        profile.note(tokens=int(out.total_num_scheduled_tokens), new=len(out.scheduled_new_reqs),
-                     reqs=len(out.num_scheduled_tokens))
+        if not profile.done:                       # nothing to note once the window is written
+            profile.note(tokens=int(out.total_num_scheduled_tokens), new=len(out.scheduled_new_reqs),
+                         reqs=len(out.num_scheduled_tokens))
         return out
     return wrapper
